@@ -1,0 +1,1 @@
+"""Paged attention: metadata built once per step and the torch reference implementation."""

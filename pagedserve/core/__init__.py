@@ -1,0 +1,1 @@
+"""The engine core's decision layer: requests, KV blocks and the scheduler. Pure Python, no tensors."""

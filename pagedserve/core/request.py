@@ -1,0 +1,97 @@
+"""A request as the core sees it: token ids, how many are computed, status. Plain data."""
+
+from __future__ import annotations
+
+import enum
+import time
+from typing import Optional
+
+from pagedserve.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    # Everything from here on is finished.
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+
+    @property
+    def finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> Optional[str]:
+        """The OpenAI finish_reason of a finished status."""
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+class Request:
+    """One sequence to generate. A request with n > 1 reaches the core as n of these.
+
+    The scheduler only looks at ``num_tokens`` (prompt + output so far) and ``num_computed_tokens`` (whose
+    KV is in the cache): prefill, chunked prefill, decode and recompute after preemption are all "compute
+    the tokens from num_computed_tokens up to num_tokens".
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_ids: frozenset[int] = frozenset(),
+        max_tokens: Optional[int] = None,
+        arrival_time: Optional[float] = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_ids = eos_token_ids
+        self.max_tokens = max_tokens if max_tokens is not None else sampling_params.max_tokens
+        self.arrival_time = time.time() if arrival_time is None else arrival_time
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.status = RequestStatus.WAITING
+        self.stop_reason: Optional[int | str] = None
+        self.num_preemptions = 0
+        # Stop checks need these token sets often; build them once.
+        stop_ids = set(sampling_params.stop_token_ids)
+        if not sampling_params.ignore_eos:
+            stop_ids |= eos_token_ids
+        self.stop_token_ids = frozenset(stop_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    def append_output_token(self, token_id: int) -> None:
+        self.all_token_ids.append(token_id)
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, status={self.status.name}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens})")

@@ -1,0 +1,37 @@
+"""What the scheduler decided for one step; all the model runner reads."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagedserve.core.request import Request
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_tokens: int
+    """Tokens to compute this step, from request.num_computed_tokens on."""
+    block_ids: list[int]
+    """The request's whole block table."""
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step reaches the request's last token, so a new token is sampled."""
+        return self.request.num_computed_tokens + self.num_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted_request_ids: list[str] = field(default_factory=list)
+    finished_request_ids: list[str] = field(default_factory=list)
+    """Requests that finished since the last step: the runner drops any state it keeps for them."""
+
+    @property
+    def total_num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled

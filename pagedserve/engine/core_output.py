@@ -1,0 +1,17 @@
+"""What the engine core hands the front end for one request after a step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Union
+
+
+@dataclass
+class EngineCoreOutput:
+    request_id: str
+    new_token_id: int
+    finish_reason: Optional[str] = None
+    stop_reason: Union[int, str, None] = None
+    logprobs: Optional[list[tuple[int, float, int]]] = None
+    """(token_id, logprob, rank): the sampled token first, then the top-N."""
+    num_preemptions: int = 0

@@ -1,0 +1,1 @@
+"""Executes the scheduler's decisions: tensors, the model forward pass and sampling."""

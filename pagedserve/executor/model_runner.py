@@ -1,0 +1,187 @@
+"""Turns a SchedulerOutput into tensors, runs the model, samples. Owns the model and the KV-cache tensors."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from pagedserve.attention.metadata import AttentionMetadata, DecodeBatch, PrefillSeq
+from pagedserve.config import CacheConfig
+from pagedserve.core.scheduler_output import ScheduledRequest, SchedulerOutput
+from pagedserve.executor.forward_context import set_forward_context
+from pagedserve.layers.sampler import Sampler, SamplingMetadata
+from pagedserve.loader.model_loader import LoadedModel
+
+logger = logging.getLogger(__name__)
+
+CPU_DEFAULT_KV_SHARE = 0.25
+CPU_DEFAULT_KV_CAP = 4 << 30
+CUDA_DEFAULT_KV_SHARE = 0.8
+
+
+@dataclass
+class ModelRunnerOutput:
+    sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, list[tuple[int, float, int]]] = field(default_factory=dict)
+    """For requests that asked for logprobs: (token_id, logprob, rank) of the sampled token first, then the
+    top-N tokens in order."""
+
+
+class ModelRunner:
+    def __init__(self, loaded: LoadedModel, cache_config: CacheConfig) -> None:
+        self.model = loaded.model
+        self.device = loaded.device
+        self.dtype = loaded.dtype
+        self.block_size = cache_config.block_size
+        self.sampler = Sampler()
+        self._generators: dict[str, torch.Generator] = {}
+        attn = self.model.model.layers[0].self_attn
+        self.num_layers = len(self.model.model.layers)
+        self.kv_shape_tail = (self.block_size, attn.num_kv_heads, attn.head_dim)
+        self.num_blocks = self._num_blocks(cache_config.kv_cache_memory_bytes)
+        self.kv_caches = [
+            (torch.zeros(self.num_blocks, *self.kv_shape_tail, dtype=self.dtype, device=self.device),
+             torch.zeros(self.num_blocks, *self.kv_shape_tail, dtype=self.dtype, device=self.device))
+            for _ in range(self.num_layers)
+        ]
+        self.model.bind_kv_cache(self.kv_caches)
+
+    # -- KV-cache sizing ---------------------------------------------------------------------------------
+
+    @property
+    def bytes_per_block(self) -> int:
+        b, h, d = self.kv_shape_tail
+        return 2 * self.num_layers * b * h * d * torch.tensor([], dtype=self.dtype).element_size()
+
+    def _num_blocks(self, memory_bytes: Optional[int]) -> int:
+        if memory_bytes is None:
+            memory_bytes = self._default_kv_bytes()
+        num_blocks = memory_bytes // self.bytes_per_block
+        if num_blocks < 1:
+            raise ValueError(f"kv_cache_memory_bytes={memory_bytes} is smaller than one KV block "
+                             f"({self.bytes_per_block} bytes)")
+        return int(num_blocks)
+
+    def _default_kv_bytes(self) -> int:
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            return int(free * CUDA_DEFAULT_KV_SHARE)
+        return min(int(_available_ram() * CPU_DEFAULT_KV_SHARE), CPU_DEFAULT_KV_CAP)
+
+    # -- one step ----------------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        for request_id in out.finished_request_ids:
+            self._generators.pop(request_id, None)
+        if out.is_empty:
+            return ModelRunnerOutput()
+        # Single-token items first: they form the batched decode group at the front of the token batch.
+        items = sorted(out.scheduled, key=lambda s: s.num_tokens != 1)
+        input_ids, positions, meta, sample_rows = self._prepare_inputs(items)
+        with set_forward_context(meta):
+            hidden = self.model(input_ids, positions)
+        if not sample_rows:
+            return ModelRunnerOutput()
+        sampling_items = [items[i] for i, _ in sample_rows]
+        logits = self.model.compute_logits(hidden[torch.tensor([row for _, row in sample_rows], device=self.device)])
+        sampler_out = self.sampler(logits, self._sampling_metadata(sampling_items))
+        return self._make_output(sampling_items, sampler_out)
+
+    def _prepare_inputs(self, items: list[ScheduledRequest]):
+        block_size = self.block_size
+        token_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        sample_rows: list[tuple[int, int]] = []  # (item index, row of its last token in the batch)
+        prefills: list[PrefillSeq] = []
+        num_decodes = sum(1 for s in items if s.num_tokens == 1)
+        for index, item in enumerate(items):
+            start = item.request.num_computed_tokens
+            end = start + item.num_tokens
+            row = len(token_ids)
+            token_ids.extend(item.request.all_token_ids[start:end])
+            positions.extend(range(start, end))
+            blocks = item.block_ids
+            slots.extend(blocks[p // block_size] * block_size + p % block_size for p in range(start, end))
+            if index >= num_decodes:
+                table = None if start == 0 else torch.tensor(blocks[:-(-end // block_size)], device=self.device)
+                prefills.append(PrefillSeq(row, item.num_tokens, end, table))
+            if item.samples:
+                sample_rows.append((index, row + item.num_tokens - 1))
+        meta = AttentionMetadata(slot_mapping=self._tensor(slots), prefills=prefills,
+                                 decode=self._decode_batch(items[:num_decodes]) if num_decodes else None)
+        return self._tensor(token_ids), self._tensor(positions), meta, sample_rows
+
+    def _decode_batch(self, items: list[ScheduledRequest]) -> DecodeBatch:
+        context_lens = [s.request.num_computed_tokens + 1 for s in items]
+        max_blocks = -(-max(context_lens) // self.block_size)
+        tables = [s.block_ids[:max_blocks] + [0] * (max_blocks - min(len(s.block_ids), max_blocks)) for s in items]
+        block_tables = self._tensor(tables)
+        key_pos = torch.arange(max_blocks * self.block_size, device=self.device)
+        key_mask = (key_pos[None, :] < self._tensor(context_lens)[:, None]).view(len(items), 1, 1, -1)
+        return DecodeBatch(len(items), block_tables, key_mask)
+
+    def _tensor(self, values) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=self.device)
+
+    # -- sampling ----------------------------------------------------------------------------------------
+
+    def _generator(self, item: ScheduledRequest) -> Optional[torch.Generator]:
+        request = item.request
+        seed = request.sampling_params.seed
+        if seed is None:
+            return None
+        generator = self._generators.get(request.request_id)
+        if generator is None:
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(seed)
+            self._generators[request.request_id] = generator
+        return generator
+
+    def _sampling_metadata(self, items: list[ScheduledRequest]) -> SamplingMetadata:
+        requests = [s.request for s in items]
+        params = [r.sampling_params for r in requests]
+        needs_history = any(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0
+                            for p in params)
+        return SamplingMetadata.build(
+            params=params,
+            prompt_token_ids=[r.prompt_token_ids if needs_history else [] for r in requests],
+            output_token_ids=[r.output_token_ids if needs_history else [] for r in requests],
+            generators=[self._generator(s) for s in items],
+            stop_token_ids_for_min_tokens=[
+                set(r.stop_token_ids) if r.num_output_tokens < r.sampling_params.min_tokens else set()
+                for r in requests],
+            device=self.device,
+        )
+
+    def _make_output(self, items: list[ScheduledRequest], sampler_out) -> ModelRunnerOutput:
+        result = ModelRunnerOutput()
+        sampled = sampler_out.sampled_token_ids.tolist()
+        for item, token_id in zip(items, sampled):
+            result.sampled_token_ids[item.request.request_id] = token_id
+        lp = sampler_out.logprobs
+        if lp is not None:
+            ids, values, ranks = lp.token_ids.tolist(), lp.logprobs.tolist(), lp.ranks.tolist()
+            for i, item in enumerate(items):
+                n = item.request.sampling_params.logprobs
+                if n is None:
+                    continue
+                entries = [(ids[i][0], values[i][0], ranks[i])]
+                entries += [(ids[i][k], values[i][k], k) for k in range(1, n + 1)]
+                result.logprobs[item.request.request_id] = entries
+        return result
+
+
+def _available_ram() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 << 30

@@ -1,0 +1,1 @@
+"""Reading checkpoints: Hugging Face folders (safetensors) and GGUF files."""

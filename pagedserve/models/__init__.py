@@ -1,0 +1,1 @@
+"""Model architectures, picked by the config's `architectures` through the registry."""

@@ -1,0 +1,167 @@
+"""Llama-family decoder (Llama 2/3, Mistral, SmolLM2) and Qwen2 (the same with q/k/v biases).
+
+Parameter names follow HF checkpoints, except that q/k/v and gate/up are fused into one matmul each;
+`load_weights` routes the checkpoint's separate tensors into their slices.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+import torch
+from torch import nn
+
+from pagedserve.attention.torch_paged import paged_attention
+from pagedserve.executor.forward_context import get_attention_metadata
+from pagedserve.layers.activation import silu_and_mul
+from pagedserve.layers.norm import RMSNorm
+from pagedserve.layers.rotary import RotaryEmbedding, apply_rotary
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config, qkv_bias: bool, o_bias: bool) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
+        # Bound by the model runner once the KV cache exists: [num_blocks, block_size, kv_heads, head_dim] each.
+        self.key_cache: Optional[torch.Tensor] = None
+        self.value_cache: Optional[torch.Tensor] = None
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rotary(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rotary(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        out = paged_attention(q, k, v, self.key_cache, self.value_cache, get_attention_metadata())
+        return self.o_proj(out)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        bias = getattr(config, "mlp_bias", False)
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config, qkv_bias: bool, o_bias: bool) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, qkv_bias, o_bias)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config, qkv_bias: bool, o_bias: bool) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, qkv_bias, o_bias)
+                                    for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """forward(input_ids [T], positions [T]) -> hidden states [T, hidden]; compute_logits on the rows to sample."""
+
+    # checkpoint name part -> (fused parameter name part, slice index)
+    _fused = {
+        "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, config, max_positions: int) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, *self.attention_biases(config))
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if not self.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        attn = self.model.layers[0].self_attn
+        self.rotary = RotaryEmbedding(config, attn.head_dim, max_positions)
+
+    @staticmethod
+    def attention_biases(config) -> tuple[bool, bool]:
+        """(bias on q/k/v, bias on o): Llama's `attention_bias` sets both."""
+        bias = bool(getattr(config, "attention_bias", False))
+        return bias, bias
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden = self.model.embed_tokens(input_ids)
+        cos, sin = self.rotary.cos_sin(positions, hidden.dtype)  # once per step, shared by all layers
+        for layer in self.model.layers:
+            hidden = layer(hidden, cos, sin)
+        return self.model.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(hidden, self.lm_head_weight).float()
+
+    def bind_kv_cache(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        for layer, (key_cache, value_cache) in zip(self.model.layers, kv_caches, strict=True):
+            layer.self_attn.key_cache, layer.self_attn.value_cache = key_cache, value_cache
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors (HF names) into the parameters; every parameter must be filled."""
+        params = dict(self.named_parameters())
+        filled: dict[str, int] = {}
+        for name, tensor in weights:
+            if "rotary_emb" in name or (name == "lm_head.weight" and self.tie_word_embeddings):
+                continue
+            target, shard = name, None
+            for part, (fused, index) in self._fused.items():
+                if f".{part}." in name:
+                    target, shard = name.replace(part, fused), index
+                    break
+            if target not in params:
+                raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in {type(self).__name__}")
+            param = params[target]
+            dest = param if shard is None else self._shard(target, param, shard)
+            if dest.shape != tensor.shape:
+                raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
+                                 f"expected {tuple(dest.shape)}")
+            dest.copy_(tensor)
+            filled[target] = filled.get(target, 0) + 1
+        missing = [n for n, p in params.items() if filled.get(n, 0) < self._num_shards(n)]
+        if missing:
+            raise ValueError(f"checkpoint lacks weights for: {', '.join(missing[:8])}"
+                             + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
+
+    def _shard(self, name: str, param: torch.Tensor, index: int) -> torch.Tensor:
+        attn = self.model.layers[0].self_attn
+        if "qkv_proj" in name:
+            sizes = [attn.q_size, attn.kv_size, attn.kv_size]
+        else:
+            sizes = [param.shape[0] // 2] * 2
+        start = sum(sizes[:index])
+        return param.narrow(0, start, sizes[index])
+
+    @staticmethod
+    def _num_shards(name: str) -> int:
+        return 3 if "qkv_proj" in name else 2 if "gate_up_proj" in name else 1
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    """Qwen2: Llama with biases on the q/k/v projections (none on o)."""
+
+    @staticmethod
+    def attention_biases(config) -> tuple[bool, bool]:
+        return True, False

@@ -1,0 +1,107 @@
+"""User-facing sampling options, with vLLM's names and meanings, validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+_GREEDY_EPS = 1e-5
+
+
+@dataclass
+class SamplingParams:
+    """How to sample one prompt's completions.
+
+    Invalid values raise ``ValueError`` naming the parameter.
+    """
+
+    n: int = 1
+    """Number of completions of the prompt; each is a child request, returned together."""
+    temperature: float = 1.0
+    """0 means greedy (argmax)."""
+    top_p: float = 1.0
+    """Nucleus sampling: keep the smallest set of tokens whose probability sums to at least top_p."""
+    top_k: int = 0
+    """Keep the top_k most likely tokens; 0 or -1 disables."""
+    min_p: float = 0.0
+    """Drop tokens whose probability is below min_p times the most likely token's."""
+    seed: Optional[int] = None
+    """Per-request seed: the samples depend on it alone, never on the rest of the batch."""
+    presence_penalty: float = 0.0
+    """Subtracted from the logit of every token that already appears in the output."""
+    frequency_penalty: float = 0.0
+    """Subtracted from a token's logit once per time it appears in the output."""
+    repetition_penalty: float = 1.0
+    """Divides positive (multiplies negative) logits of tokens in the prompt or output; 1 disables."""
+    stop: Optional[Union[str, list[str]]] = None
+    """Strings that end generation; the matched string is not included in the text."""
+    stop_token_ids: Optional[list[int]] = None
+    """Token ids that end generation (the token is kept in the token ids)."""
+    max_tokens: Optional[int] = 16
+    """Most tokens to generate; None means until the context is full."""
+    min_tokens: int = 0
+    """Generate at least this many tokens before eos or stop_token_ids may end the sequence."""
+    ignore_eos: bool = False
+    """Keep generating after the end-of-sequence token."""
+    logprobs: Optional[int] = None
+    """Return the sampled token's logprob and the top-N logprobs at every generated position."""
+    skip_special_tokens: bool = True
+    """Leave special tokens out of the output text."""
+    include_stop_str_in_output: bool = False
+    """Keep the matched stop string at the end of the text."""
+    logit_bias: Optional[dict[int, float]] = field(default=None)
+    """Added to the logits of the given token ids before sampling."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        self._validate()
+
+    def _validate(self) -> None:
+        def check(ok: bool, name: str, why: str) -> None:
+            if not ok:
+                raise ValueError(f"{name} {why}, got {getattr(self, name)!r}")
+
+        check(_is_int(self.n) and self.n >= 1, "n", "must be an integer >= 1")
+        check(_is_num(self.temperature) and self.temperature >= 0, "temperature", "must be >= 0")
+        check(_is_num(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
+        check(_is_int(self.top_k) and self.top_k >= 0, "top_k", "must be an integer >= 1, or 0/-1 to disable")
+        check(_is_num(self.min_p) and 0 <= self.min_p <= 1, "min_p", "must be in [0, 1]")
+        check(self.seed is None or _is_int(self.seed), "seed", "must be an integer or None")
+        for name in ("presence_penalty", "frequency_penalty"):
+            check(_is_num(getattr(self, name)) and -2 <= getattr(self, name) <= 2, name, "must be in [-2, 2]")
+        check(_is_num(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty", "must be > 0")
+        check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
+        check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must be token ids >= 0")
+        check(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
+              "max_tokens", "must be an integer >= 1 or None")
+        check(_is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens", "must be an integer >= 0")
+        check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens", "must be <= max_tokens")
+        check(self.logprobs is None or (_is_int(self.logprobs) and self.logprobs >= 0),
+              "logprobs", "must be an integer >= 0 or None")
+        check(self.logit_bias is None or all(_is_int(k) and _is_num(v) for k, v in self.logit_bias.items()),
+              "logit_bias", "must map token ids to numbers")
+
+    @property
+    def greedy(self) -> bool:
+        """True when sampling is argmax: temperature 0 or top_k 1."""
+        return self.temperature < _GREEDY_EPS or self.top_k == 1
+
+    def child(self, index: int) -> "SamplingParams":
+        """The params of the index-th of n samples: n=1, and seed+index so that the samples differ."""
+        from dataclasses import replace
+
+        seed = None if self.seed is None else self.seed + index
+        return replace(self, n=1, seed=seed)
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_num(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)

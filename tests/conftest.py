@@ -1,0 +1,85 @@
+"""Shared fixtures: tiny random-weight models built on the fly (no downloads), and a leak check."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+TRAINING_TEXT = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Paged attention stores the KV cache in fixed-size blocks.",
+    "Continuous batching re-forms the batch at every step!",
+    "Ünïcödé text, 日本語のテキスト, emoji 🙂🚀 and numbers 12345.",
+    "Hello, world. Hello again, world? Bonjour le monde; hola mundo.",
+]
+
+
+def build_tokenizer(path: str):
+    """A small byte-level BPE tokenizer trained on a few sentences, saved as a HF fast tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<unk>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(TRAINING_TEXT * 20, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    fast.chat_template = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
+                          "{% if add_generation_prompt %}<s>assistant:{% endif %}")
+    fast.save_pretrained(path)
+    return fast
+
+
+def build_tiny_model(path: str, arch: str = "llama", seed: int = 0, tie: bool = False) -> str:
+    """A 2-layer random-weight Llama or Qwen2 with the small tokenizer, saved as safetensors."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    tokenizer = build_tokenizer(path)
+    common = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                  initializer_range=0.1, tie_word_embeddings=tie, bos_token_id=tokenizer.bos_token_id,
+                  eos_token_id=tokenizer.eos_token_id, torch_dtype="float32")
+    torch.manual_seed(seed)
+    if arch == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**common, rope_theta=10000.0))
+    else:
+        model = Qwen2ForCausalLM(Qwen2Config(**common, rope_theta=10000.0))
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> str:
+    return build_tiny_model(str(tmp_path_factory.mktemp("tiny_llama")), "llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tmp_path_factory) -> str:
+    return build_tiny_model(str(tmp_path_factory.mktemp("tiny_qwen2")), "qwen2", seed=1)
+
+
+@pytest.fixture(scope="session")
+def default_model_path() -> str:
+    from pagedserve.loader.model_loader import default_model_path as find
+
+    try:
+        return find()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+
+
+def assert_no_leaked_blocks(engine) -> None:
+    """Every KV block is back in the pool and nothing is left queued."""
+    assert not engine.has_unfinished_requests()
+    assert engine.kv_cache_manager.num_free_blocks == engine.kv_cache_manager.num_blocks
+    assert not engine.kv_cache_manager.req_to_blocks
+    assert not engine.output_processor.requests
+
+
+def pytest_configure(config):
+    # Tests must not depend on the machine's thread count for determinism of what they compare.
+    torch.set_num_threads(min(2, os.cpu_count() or 1))
