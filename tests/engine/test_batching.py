@@ -1,0 +1,113 @@
+"""Batching, chunking and preemption never change a request's greedy result; nothing leaks."""
+
+import random
+
+import pytest
+
+from conftest import assert_no_leaked_blocks
+from pagedserve import LLM, SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama_dir):
+    return LLM(tiny_llama_dir, dtype="float32", kv_cache_memory_bytes=1 << 24, max_num_batched_tokens=256)
+
+
+def prompts(n, seed=0, lo=1, hi=120):
+    rng = random.Random(seed)
+    return [{"prompt_token_ids": [rng.randrange(3, 390) for _ in range(rng.randint(lo, hi))]} for _ in range(n)]
+
+
+def token_ids(outputs):
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def test_request_result_is_the_same_alone_and_among_50_others(llm):
+    target = prompts(1, seed=42, lo=60, hi=60)[0]
+    alone = token_ids(llm.generate(target, GREEDY, use_tqdm=False))[0]
+    others = prompts(50, seed=1)
+    mixed = token_ids(llm.generate(others[:25] + [target] + others[25:], GREEDY, use_tqdm=False))
+    assert mixed[25] == alone
+    assert_no_leaked_blocks(llm.engine)
+
+
+def test_chunked_prefill_gives_the_same_result(tiny_llama_dir, llm):
+    batch = prompts(6, seed=3, lo=40, hi=110)
+    expected = token_ids(llm.generate(batch, GREEDY, use_tqdm=False))
+    chunked = LLM(tiny_llama_dir, dtype="float32", kv_cache_memory_bytes=1 << 24, max_num_batched_tokens=7)
+    assert token_ids(chunked.generate(batch, GREEDY, use_tqdm=False)) == expected
+    assert_no_leaked_blocks(chunked.engine)
+
+
+def test_preemption_with_a_tiny_pool_gives_the_same_results(tiny_llama_dir, llm):
+    batch = prompts(20, seed=5, lo=5, hi=40)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    expected = token_ids(llm.generate(batch, params, use_tqdm=False))
+    # 12 blocks of 16 tokens hold about 3 of these sequences at once; 20 run, so the scheduler must preempt.
+    small = LLM(tiny_llama_dir, dtype="float32", kv_cache_memory_bytes=12 * small_block_bytes(llm),
+                max_model_len=128)
+    assert small.engine.kv_cache_manager.num_blocks == 12
+    outputs = small.generate(batch, params, use_tqdm=False)
+    assert token_ids(outputs) == expected
+    assert small.engine.scheduler.num_preemptions_total > 0
+    assert sum(o.metrics.num_preemptions for o in outputs) > 0
+    assert_no_leaked_blocks(small.engine)
+
+
+def small_block_bytes(llm) -> int:
+    return llm.engine.runner.bytes_per_block
+
+
+def test_max_model_len_that_does_not_fit_the_cache_is_an_error(tiny_llama_dir, llm):
+    with pytest.raises(ValueError, match="needs more KV cache"):
+        LLM(tiny_llama_dir, dtype="float32", kv_cache_memory_bytes=4 * small_block_bytes(llm), max_model_len=128)
+
+
+def test_too_long_prompt_is_rejected_and_nothing_is_queued(tiny_llama_dir):
+    llm = LLM(tiny_llama_dir, dtype="float32", kv_cache_memory_bytes=1 << 22, max_model_len=32)
+    with pytest.raises(ValueError, match="max_model_len=32"):
+        llm.generate([{"prompt_token_ids": [5] * 10}, {"prompt_token_ids": [5] * 40}], GREEDY, use_tqdm=False)
+    assert_no_leaked_blocks(llm.engine)
+
+
+def test_bad_prompt_token_ids_are_rejected(llm):
+    with pytest.raises(ValueError, match="token ids"):
+        llm.generate({"prompt_token_ids": [1, 10**9]}, GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate({"prompt_token_ids": []}, GREEDY, use_tqdm=False)
+    assert_no_leaked_blocks(llm.engine)
+
+
+def test_abort_mid_generation_frees_every_block(llm):
+    engine = llm.engine
+    for i, p in enumerate(prompts(6, seed=9)):
+        engine.add_request(f"abort-{i}", p, SamplingParams(max_tokens=50, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    assert engine.kv_cache_manager.num_free_blocks < engine.kv_cache_manager.num_blocks
+    engine.abort_request([f"abort-{i}" for i in range(6)])
+    assert_no_leaked_blocks(engine)
+    assert engine.step() == []
+
+
+def test_n_samples_come_back_together_in_one_output(llm):
+    [out] = llm.generate(prompts(1, seed=11)[0], SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=8),
+                         use_tqdm=False)
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert all(len(c.token_ids) == 8 for c in out.outputs)
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1  # different seeds per child
+    assert_no_leaked_blocks(llm.engine)
+
+
+def test_outputs_come_back_in_input_order_with_timings(llm):
+    batch = prompts(5, seed=13)
+    outs = llm.generate(batch, [SamplingParams(temperature=0, max_tokens=i + 1, ignore_eos=True) for i in range(5)],
+                        use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [1, 2, 3, 4, 5]
+    assert [o.prompt_token_ids for o in outs] == [p["prompt_token_ids"] for p in batch]
+    for o in outs:
+        m = o.metrics
+        assert m.arrival_time <= m.first_token_time <= m.finished_time
+        assert o.outputs[0].finish_reason == "length"
