@@ -1,0 +1,1 @@
+"""User entry points: the `pagedserve` command line."""

@@ -1,0 +1,40 @@
+"""CLI flags for every engine argument, generated from the config dataclasses (their field docs are the help)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+
+from pagedserve.config import DTYPE_CHOICES, CacheConfig, ModelConfig, SchedulerConfig, config_field_help
+
+_CONFIGS = (ModelConfig, CacheConfig, SchedulerConfig)
+_SKIP = {("SchedulerConfig", "max_model_len")}  # set through ModelConfig's flag
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("engine")
+    for config_cls in _CONFIGS:
+        hints = typing.get_type_hints(config_cls)
+        for f in dataclasses.fields(config_cls):
+            if (config_cls.__name__, f.name) in _SKIP:
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            help_text = config_field_help(config_cls, f.name)
+            kind = _base_type(hints[f.name])
+            if kind is bool:
+                group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
+            else:
+                extra = {"choices": DTYPE_CHOICES} if f.name == "dtype" else {}
+                group.add_argument(flag, type=kind, default=f.default, help=help_text, **extra)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    """The engine arguments out of parsed CLI args, for LLM(**kwargs) / EngineConfig.from_kwargs."""
+    names = {f.name for c in _CONFIGS for f in dataclasses.fields(c)}
+    return {k: v for k, v in vars(args).items() if k in names}
+
+
+def _base_type(hint):
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    return args[0] if args else hint
