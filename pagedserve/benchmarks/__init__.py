@@ -1,0 +1,1 @@
+"""Benchmarks behind `pagedserve bench ...` (see pagedserve.benchmarks.throughput)."""
