@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
 _GREEDY_EPS = 1e-5
+_LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range for logit_bias values; vLLM clamps to it too
 
 
 @dataclass
@@ -50,15 +52,22 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     """Keep the matched stop string at the end of the text."""
     logit_bias: Optional[dict[int, float]] = field(default=None)
-    """Added to the logits of the given token ids before sampling."""
+    """Added to the logits of the given token ids before sampling (keys may be ints or digit strings, as in
+    JSON; values are clamped to [-100, 100] like OpenAI and vLLM)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if self.stop is not None and not isinstance(self.stop, (list, tuple)):
+            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
         self.stop = list(self.stop or [])
+        if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, (list, tuple, set)):
+            raise ValueError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        if self.logit_bias is not None:
+            self.logit_bias = _normalize_logit_bias(self.logit_bias)
         self._validate()
 
     def _validate(self) -> None:
@@ -67,14 +76,17 @@ class SamplingParams:
                 raise ValueError(f"{name} {why}, got {getattr(self, name)!r}")
 
         check(_is_int(self.n) and self.n >= 1, "n", "must be an integer >= 1")
-        check(_is_num(self.temperature) and self.temperature >= 0, "temperature", "must be >= 0")
+        check(_is_num(self.temperature) and math.isfinite(self.temperature) and self.temperature >= 0,
+              "temperature", "must be a finite number >= 0")
         check(_is_num(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
         check(_is_int(self.top_k) and self.top_k >= 0, "top_k", "must be an integer >= 1, or 0/-1 to disable")
         check(_is_num(self.min_p) and 0 <= self.min_p <= 1, "min_p", "must be in [0, 1]")
-        check(self.seed is None or _is_int(self.seed), "seed", "must be an integer or None")
+        check(self.seed is None or (_is_int(self.seed) and -(1 << 63) <= self.seed < (1 << 64)),
+              "seed", "must be an integer in [-2**63, 2**64) or None")
         for name in ("presence_penalty", "frequency_penalty"):
             check(_is_num(getattr(self, name)) and -2 <= getattr(self, name) <= 2, name, "must be in [-2, 2]")
-        check(_is_num(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty", "must be > 0")
+        check(_is_num(self.repetition_penalty) and math.isfinite(self.repetition_penalty)
+              and self.repetition_penalty > 0, "repetition_penalty", "must be a finite number > 0")
         check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
         check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must be token ids >= 0")
         check(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
@@ -83,8 +95,11 @@ class SamplingParams:
         check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens", "must be <= max_tokens")
         check(self.logprobs is None or (_is_int(self.logprobs) and self.logprobs >= 0),
               "logprobs", "must be an integer >= 0 or None")
-        check(self.logit_bias is None or all(_is_int(k) and _is_num(v) for k, v in self.logit_bias.items()),
-              "logit_bias", "must map token ids to numbers")
+        check(self.logit_bias is None or all(_is_int(k) and k >= 0 and _is_num(v) and not math.isnan(v)
+                                             for k, v in self.logit_bias.items()),
+              "logit_bias", "must map token ids >= 0 to numbers")
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            check(isinstance(getattr(self, name), bool), name, "must be a bool")
 
     @property
     def greedy(self) -> bool:
@@ -97,6 +112,20 @@ class SamplingParams:
 
         seed = None if self.seed is None else self.seed + index
         return replace(self, n=1, seed=seed)
+
+
+def _normalize_logit_bias(bias) -> dict:
+    """JSON gives string keys: turn digit strings into ints; clamp the values to [-100, 100]."""
+    if not isinstance(bias, dict):
+        raise ValueError(f"logit_bias must be a dict of token id to bias, got {bias!r}")
+    out = {}
+    for key, value in bias.items():
+        if isinstance(key, str) and key.strip().lstrip("-").isdigit():
+            key = int(key)
+        if _is_num(value) and not math.isnan(value):
+            value = min(_LOGIT_BIAS_LIMIT, max(-_LOGIT_BIAS_LIMIT, float(value)))
+        out[key] = value
+    return out
 
 
 def _is_int(x) -> bool:
