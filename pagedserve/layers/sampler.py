@@ -6,8 +6,9 @@ temperature -> min_p, top_k, top_p -> sample.
 Sampling is by inverse CDF with one uniform number per row: a seeded row draws it from its own generator,
 the other rows share one batched draw. Candidates are always summed in token-id order, so a row's sample is
 a function of its logits, its params and its uniform alone, never of the rest of the batch. The top-k/top-p
-cut is found in a window of each row's largest logits (topk), falling back to a larger window and then a
-full sort only for the rows the window cannot decide.
+cut is found in a window of each row's largest logits (topk; top_p also needs one pass for the row's total
+mass), falling back to a larger window and then a full sort only for the rows the window cannot decide
+(a nucleus wider than the window). Which of these paths a row takes depends on its own data only.
 """
 
 from __future__ import annotations

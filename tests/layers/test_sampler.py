@@ -247,7 +247,7 @@ CUT_PARAMS = [SP(top_p=0.9), SP(top_k=20), SP(top_k=50, top_p=0.8), SP(top_p=0.9
 
 
 TOP_K_PARAMS = [SP(top_k=5), SP(top_k=30, temperature=0.5), SP(top_k=10, min_p=0.1), SP(top_k=100, top_p=0.9),
-                SP(top_k=100)]
+                SP(top_k=16, top_p=0.6), SP(top_k=100)]
 
 
 @pytest.mark.parametrize("params", [CUT_PARAMS, TOP_K_PARAMS])
