@@ -13,10 +13,11 @@ class DecodeBatch:
     """The sequences that compute exactly one token this step; they occupy tokens [0, num_seqs) of the batch."""
 
     num_seqs: int
-    block_tables: torch.Tensor
-    """[num_seqs, max_blocks] int64 block ids, padded with 0."""
-    key_mask: torch.Tensor
-    """[num_seqs, 1, 1, max_blocks * block_size] bool: True where a key position is inside the context."""
+    tile_ids: torch.Tensor
+    """[num_seqs, kv_heads, max_blocks] int64: block_id * kv_heads + head, the cache tiles to read, in
+    context order (padded with tile 0)."""
+    key_bias: torch.Tensor
+    """[num_seqs, 1, 1, max_blocks * block_size] float32: 0 inside the context, -inf past its end."""
 
 
 @dataclass

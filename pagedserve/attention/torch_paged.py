@@ -1,6 +1,8 @@
 """Paged attention in plain PyTorch: correct on any device, the reference for faster backends.
 
-The cache of one layer is a K and a V tensor of shape [num_blocks, block_size, num_kv_heads, head_dim].
+The cache of one layer is a K and a V tensor of shape [num_blocks, kv_heads, block_size, head_dim]: one
+(block, head) pair is a contiguous [block_size, head_dim] tile, so a decode batch gathers its context
+straight into the [batch, kv_heads, context, head_dim] layout that batched matmuls want, in one copy.
 """
 
 from __future__ import annotations
@@ -8,15 +10,16 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pagedserve.attention.metadata import AttentionMetadata
+from pagedserve.attention.metadata import AttentionMetadata, DecodeBatch
 
 
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                    slot_mapping: torch.Tensor) -> None:
-    """Store this step's K/V [num_tokens, kv_heads, head_dim] at their slots."""
-    num_kv_heads, head_dim = key_cache.shape[-2:]
-    key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
-    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+    """Store this step's K/V [num_tokens, kv_heads, head_dim] at their slots (block * block_size + offset)."""
+    block_size = key_cache.shape[2]
+    blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
+    key_cache[blocks, :, offsets] = key
+    value_cache[blocks, :, offsets] = value
 
 
 def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
@@ -28,41 +31,45 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     """
     write_kv_cache(key, value, key_cache, value_cache, meta.slot_mapping)
     num_tokens, num_heads, head_dim = query.shape
+    if meta.decode is not None and not meta.prefills:
+        return _decode_attention(query, key_cache, value_cache, meta.decode)
     out = torch.empty(num_tokens, num_heads * head_dim, dtype=query.dtype, device=query.device)
     if meta.decode is not None:
         n = meta.decode.num_seqs
-        out[:n] = _decode_attention(query[:n], key_cache, value_cache, meta.decode.block_tables,
-                                    meta.decode.key_mask)
+        out[:n] = _decode_attention(query[:n], key_cache, value_cache, meta.decode)
     for seq in meta.prefills:
         rows = slice(seq.query_start, seq.query_start + seq.query_len)
         if seq.block_table is None:  # the whole context is this step's tokens
             out[rows] = _prefill_attention(query[rows], key[rows], value[rows])
         else:
-            k, v = _gather_blocks(key_cache, value_cache, seq.block_table.unsqueeze(0))
-            k, v = k[0, :seq.context_len], v[0, :seq.context_len]
+            k = _gather_sequence(key_cache, seq.block_table, seq.context_len)
+            v = _gather_sequence(value_cache, seq.block_table, seq.context_len)
             out[rows] = _prefill_attention(query[rows], k, v, past=seq.context_len - seq.query_len)
     return out
 
 
-def _gather_blocks(key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor):
-    """[B, max_blocks] block ids -> K and V of shape [B, max_blocks * block_size, kv_heads, head_dim]."""
-    batch, max_blocks = block_tables.shape
-    _, block_size, kv_heads, head_dim = key_cache.shape
-    flat = block_tables.reshape(-1)
-    shape = (batch, max_blocks * block_size, kv_heads, head_dim)
-    return key_cache.index_select(0, flat).view(shape), value_cache.index_select(0, flat).view(shape)
+def _gather_sequence(cache: torch.Tensor, block_table: torch.Tensor, context_len: int) -> torch.Tensor:
+    """One sequence's cached K or V as [context_len, kv_heads, head_dim]."""
+    _, kv_heads, block_size, head_dim = cache.shape
+    blocks = cache.index_select(0, block_table)  # [n, kv_heads, block_size, head_dim]
+    return blocks.permute(0, 2, 1, 3).reshape(-1, kv_heads, head_dim)[:context_len]
 
 
 def _decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                      block_tables: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
+                      decode: DecodeBatch) -> torch.Tensor:
     batch, num_heads, head_dim = query.shape
-    kv_heads = key_cache.shape[2]
-    k, v = _gather_blocks(key_cache, value_cache, block_tables)
+    _, kv_heads, block_size, _ = key_cache.shape
+    context = decode.tile_ids.shape[-1] * block_size
+    shape = (batch, kv_heads, context, head_dim)
+    flat_ids = decode.tile_ids.view(-1)
+    k = key_cache.view(-1, block_size, head_dim).index_select(0, flat_ids).view(shape)
+    v = value_cache.view(-1, block_size, head_dim).index_select(0, flat_ids).view(shape)
     # Grouped-query attention without repeating K/V: the query heads that share a KV head become that
-    # head's "query positions" (one token each, so no causal structure is lost).
+    # head's rows (one token each, so there is no causal structure to keep).
     q = query.view(batch, kv_heads, num_heads // kv_heads, head_dim)
-    o = F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=key_mask)
-    return o.reshape(batch, num_heads * head_dim)
+    scores = torch.matmul(q, k.transpose(-1, -2)).float().mul_(head_dim ** -0.5).add_(decode.key_bias)
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    return torch.matmul(probs, v).reshape(batch, num_heads * head_dim)
 
 
 def _prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, past: int = 0) -> torch.Tensor:

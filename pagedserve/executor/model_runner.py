@@ -11,6 +11,7 @@ import torch
 from pagedserve.attention.metadata import AttentionMetadata, DecodeBatch, PrefillSeq
 from pagedserve.config import CacheConfig
 from pagedserve.core.scheduler_output import ScheduledRequest, SchedulerOutput
+from pagedserve.executor.cpu_allocator import keep_freed_memory
 from pagedserve.executor.forward_context import set_forward_context
 from pagedserve.layers.sampler import Sampler, SamplingMetadata
 from pagedserve.loader.model_loader import LoadedModel
@@ -34,13 +35,16 @@ class ModelRunner:
     def __init__(self, loaded: LoadedModel, cache_config: CacheConfig) -> None:
         self.model = loaded.model
         self.device = loaded.device
+        if self.device.type == "cpu":
+            keep_freed_memory()
         self.dtype = loaded.dtype
         self.block_size = cache_config.block_size
         self.sampler = Sampler()
         self._generators: dict[str, torch.Generator] = {}
         attn = self.model.model.layers[0].self_attn
         self.num_layers = len(self.model.model.layers)
-        self.kv_shape_tail = (self.block_size, attn.num_kv_heads, attn.head_dim)
+        self.num_kv_heads = attn.num_kv_heads
+        self.kv_shape_tail = (attn.num_kv_heads, self.block_size, attn.head_dim)
         self.num_blocks = self._num_blocks(cache_config.kv_cache_memory_bytes)
         self.kv_caches = [
             (torch.zeros(self.num_blocks, *self.kv_shape_tail, dtype=self.dtype, device=self.device),
@@ -53,7 +57,7 @@ class ModelRunner:
 
     @property
     def bytes_per_block(self) -> int:
-        b, h, d = self.kv_shape_tail
+        h, b, d = self.kv_shape_tail
         return 2 * self.num_layers * b * h * d * torch.tensor([], dtype=self.dtype).element_size()
 
     def _num_blocks(self, memory_bytes: Optional[int]) -> int:
@@ -120,10 +124,12 @@ class ModelRunner:
         context_lens = [s.request.num_computed_tokens + 1 for s in items]
         max_blocks = -(-max(context_lens) // self.block_size)
         tables = [s.block_ids[:max_blocks] + [0] * (max_blocks - min(len(s.block_ids), max_blocks)) for s in items]
-        block_tables = self._tensor(tables)
+        heads = torch.arange(self.num_kv_heads, device=self.device)
+        tile_ids = self._tensor(tables)[:, None, :] * self.num_kv_heads + heads[None, :, None]
         key_pos = torch.arange(max_blocks * self.block_size, device=self.device)
-        key_mask = (key_pos[None, :] < self._tensor(context_lens)[:, None]).view(len(items), 1, 1, -1)
-        return DecodeBatch(len(items), block_tables, key_mask)
+        outside = key_pos[None, :] >= self._tensor(context_lens)[:, None]
+        key_bias = torch.zeros(outside.shape, dtype=torch.float32, device=self.device).masked_fill_(outside, float("-inf"))
+        return DecodeBatch(len(items), tile_ids.contiguous(), key_bias.view(len(items), 1, 1, -1))
 
     def _tensor(self, values) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=self.device)
