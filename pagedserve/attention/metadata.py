@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Optional
 
 import torch
@@ -12,12 +13,31 @@ import torch
 class DecodeBatch:
     """The sequences that compute exactly one token this step; they occupy tokens [0, num_seqs) of the batch."""
 
-    num_seqs: int
-    tile_ids: torch.Tensor
-    """[num_seqs, kv_heads, max_blocks] int64: block_id * kv_heads + head, the cache tiles to read, in
-    context order (padded with tile 0)."""
-    key_bias: torch.Tensor
-    """[num_seqs, 1, 1, max_blocks * block_size] float32: 0 inside the context, -inf past its end."""
+    block_tables: torch.Tensor
+    """[num_seqs, max_blocks] int64 block ids, padded with 0."""
+    context_lens: torch.Tensor
+    """[num_seqs] int64: tokens in the cache for each sequence, this step's included."""
+    num_kv_heads: int
+    block_size: int
+
+    @property
+    def num_seqs(self) -> int:
+        return self.block_tables.shape[0]
+
+    @cached_property
+    def tile_ids(self) -> torch.Tensor:
+        """[num_seqs, kv_heads, max_blocks]: block_id * kv_heads + head, the cache tiles to read in context
+        order (for the torch path, which gathers them; computed once per step, shared by all layers)."""
+        heads = torch.arange(self.num_kv_heads, device=self.block_tables.device)
+        return (self.block_tables[:, None, :] * self.num_kv_heads + heads[None, :, None]).contiguous()
+
+    @cached_property
+    def key_bias(self) -> torch.Tensor:
+        """[num_seqs, 1, 1, max_blocks * block_size] float32: 0 inside the context, -inf past its end."""
+        positions = torch.arange(self.block_tables.shape[1] * self.block_size, device=self.block_tables.device)
+        outside = positions[None, :] >= self.context_lens[:, None]
+        bias = torch.zeros(outside.shape, dtype=torch.float32, device=outside.device)
+        return bias.masked_fill_(outside, float("-inf")).view(self.num_seqs, 1, 1, -1)
 
 
 @dataclass

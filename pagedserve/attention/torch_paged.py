@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from pagedserve.attention import cpu_decode
 from pagedserve.attention.metadata import AttentionMetadata, DecodeBatch
 
 
@@ -57,6 +58,14 @@ def _gather_sequence(cache: torch.Tensor, block_table: torch.Tensor, context_len
 
 def _decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                       decode: DecodeBatch) -> torch.Tensor:
+    if cpu_decode.supports(query, key_cache):
+        return cpu_decode.decode_attention(query, key_cache, value_cache, decode.block_tables, decode.context_lens)
+    return decode_attention_torch(query, key_cache, value_cache, decode)
+
+
+def decode_attention_torch(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                           decode: DecodeBatch) -> torch.Tensor:
+    """The reference decode path: gather the context tiles, then two batched matmuls."""
     batch, num_heads, head_dim = query.shape
     _, kv_heads, block_size, _ = key_cache.shape
     context = decode.tile_ids.shape[-1] * block_size

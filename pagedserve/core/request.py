@@ -49,14 +49,13 @@ class Request:
         prompt_token_ids: list[int],
         sampling_params: SamplingParams,
         eos_token_ids: frozenset[int] = frozenset(),
-        max_tokens: Optional[int] = None,
         arrival_time: Optional[float] = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.eos_token_ids = eos_token_ids
-        self.max_tokens = max_tokens if max_tokens is not None else sampling_params.max_tokens
+        self.max_tokens = sampling_params.max_tokens
         self.arrival_time = time.time() if arrival_time is None else arrival_time
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0

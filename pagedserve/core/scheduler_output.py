@@ -29,9 +29,5 @@ class SchedulerOutput:
     """Requests that finished since the last step: the runner drops any state it keeps for them."""
 
     @property
-    def total_num_tokens(self) -> int:
-        return sum(s.num_tokens for s in self.scheduled)
-
-    @property
     def is_empty(self) -> bool:
         return not self.scheduled

@@ -36,6 +36,10 @@ class LLMEngine:
         self.kv_cache_manager = KVCacheManager(self.runner.num_blocks, block_size)
         max_model_len = self._fit_max_model_len(self.runner.num_blocks * block_size)
         scheduler_config = dataclasses.replace(config.scheduler_config, max_model_len=max_model_len)
+        if not scheduler_config.enable_chunked_prefill and scheduler_config.max_num_batched_tokens < max_model_len:
+            # Without chunking a whole sequence (a prompt, or one resumed after preemption) must fit one step.
+            raise ValueError(f"max_num_batched_tokens={scheduler_config.max_num_batched_tokens} is smaller than "
+                             f"max_model_len={max_model_len}; with chunked prefill off it must be at least that")
         self.scheduler = Scheduler(scheduler_config, self.kv_cache_manager)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()

@@ -25,7 +25,6 @@ class _Child:
     cumulative_logprob: Optional[float] = None
     finish_reason: Optional[str] = None
     stop_reason: object = None
-    text: str = ""
     sent_tokens: int = 0
 
 
@@ -143,4 +142,4 @@ class OutputProcessor:
             return ""
         if child.detokenizer is not None:
             return child.detokenizer.output_text
-        return decode_all(self.tokenizer, child.token_ids, state.params.skip_special_tokens)
+        return decode_all(self.tokenizer, child.token_ids, state.params.skip_special_tokens, state.prompt_token_ids)

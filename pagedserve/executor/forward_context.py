@@ -1,7 +1,7 @@
 """The one per-step global: attention metadata that every attention layer reads during a forward pass.
 
 Set by the model runner around ``model(...)`` so that model code keeps HF-like signatures
-(``forward(positions, hidden_states)``) instead of threading batch layout through every layer.
+(``forward(hidden, cos, sin)``) instead of threading batch layout through every layer.
 """
 
 from __future__ import annotations

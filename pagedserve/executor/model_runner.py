@@ -46,11 +46,9 @@ class ModelRunner:
         self.num_kv_heads = attn.num_kv_heads
         self.kv_shape_tail = (attn.num_kv_heads, self.block_size, attn.head_dim)
         self.num_blocks = self._num_blocks(cache_config.kv_cache_memory_bytes)
-        self.kv_caches = [
-            (torch.zeros(self.num_blocks, *self.kv_shape_tail, dtype=self.dtype, device=self.device),
-             torch.zeros(self.num_blocks, *self.kv_shape_tail, dtype=self.dtype, device=self.device))
-            for _ in range(self.num_layers)
-        ]
+        shape = (self.num_blocks, *self.kv_shape_tail)
+        self.kv_caches = [(_zeros(shape, self.dtype, self.device), _zeros(shape, self.dtype, self.device))
+                          for _ in range(self.num_layers)]
         self.model.bind_kv_cache(self.kv_caches)
 
     # -- KV-cache sizing ---------------------------------------------------------------------------------
@@ -124,12 +122,7 @@ class ModelRunner:
         context_lens = [s.request.num_computed_tokens + 1 for s in items]
         max_blocks = -(-max(context_lens) // self.block_size)
         tables = [s.block_ids[:max_blocks] + [0] * (max_blocks - min(len(s.block_ids), max_blocks)) for s in items]
-        heads = torch.arange(self.num_kv_heads, device=self.device)
-        tile_ids = self._tensor(tables)[:, None, :] * self.num_kv_heads + heads[None, :, None]
-        key_pos = torch.arange(max_blocks * self.block_size, device=self.device)
-        outside = key_pos[None, :] >= self._tensor(context_lens)[:, None]
-        key_bias = torch.zeros(outside.shape, dtype=torch.float32, device=self.device).masked_fill_(outside, float("-inf"))
-        return DecodeBatch(len(items), tile_ids.contiguous(), key_bias.view(len(items), 1, 1, -1))
+        return DecodeBatch(self._tensor(tables), self._tensor(context_lens), self.num_kv_heads, self.block_size)
 
     def _tensor(self, values) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=self.device)
@@ -180,6 +173,20 @@ class ModelRunner:
                 entries += [(ids[i][k], values[i][k], k) for k in range(1, n + 1)]
                 result.logprobs[item.request.request_id] = entries
         return result
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero-filled tensor. On CPU it comes from calloc (through numpy), which maps fresh zero pages
+    without touching them: a multi-GiB KV cache costs nothing at start-up and pages fault in as blocks are
+    first used, instead of seconds of memset. Zeros matter: padded attention reads multiply stale slots
+    by zero probability, and stale NaNs would poison that."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    import numpy as np
+
+    itemsize = torch.tensor([], dtype=dtype).element_size()
+    raw = np.zeros(int(np.prod(shape)) * itemsize, dtype=np.uint8)
+    return torch.from_numpy(raw).view(dtype).view(shape)
 
 
 def _available_ram() -> int:

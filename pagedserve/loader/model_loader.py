@@ -104,7 +104,12 @@ def load_model(config: ModelConfig) -> LoadedModel:
     model.eval()
     tokenizer = None
     if not config.skip_tokenizer_init:
-        tokenizer = checkpoint.tokenizer(config.tokenizer) if config.tokenizer else checkpoint.tokenizer()
+        if config.tokenizer:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(config.tokenizer)
+        else:
+            tokenizer = checkpoint.tokenizer()
     eos = set(getattr(checkpoint, "generation_eos_token_ids", lambda: set())())
     eos_config = getattr(hf_config, "eos_token_id", None)
     eos |= set(eos_config if isinstance(eos_config, list) else [] if eos_config is None else [eos_config])

@@ -35,10 +35,10 @@ class HFFolderCheckpoint:
                 for name in f.keys():
                     yield name, f.get_tensor(name).to(dtype)
 
-    def tokenizer(self, tokenizer_path: str | None = None):
+    def tokenizer(self):
         from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(tokenizer_path or self.path)
+        return AutoTokenizer.from_pretrained(self.path)
 
     def generation_eos_token_ids(self) -> set[int]:
         """eos ids from generation_config.json, which may list several (e.g. Llama 3's <|eot_id|>)."""

@@ -65,6 +65,17 @@ def test_max_model_len_that_does_not_fit_the_cache_is_an_error(tiny_llama_dir, l
         LLM(tiny_llama_dir, dtype="float32", kv_cache_memory_bytes=4 * small_block_bytes(llm), max_model_len=128)
 
 
+def test_chunked_prefill_off_needs_a_budget_of_a_whole_sequence(tiny_llama_dir):
+    with pytest.raises(ValueError, match="max_num_batched_tokens=64 is smaller than max_model_len=128"):
+        LLM(tiny_llama_dir, dtype="float32", kv_cache_memory_bytes=1 << 22, max_model_len=128,
+            max_num_batched_tokens=64, enable_chunked_prefill=False)
+    llm = LLM(tiny_llama_dir, dtype="float32", kv_cache_memory_bytes=1 << 22, max_model_len=128,
+              max_num_batched_tokens=128, enable_chunked_prefill=False)
+    outs = llm.generate(prompts(4, seed=21, lo=100, hi=120), GREEDY, use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 12 for o in outs)
+    assert_no_leaked_blocks(llm.engine)
+
+
 def test_too_long_prompt_is_rejected_and_nothing_is_queued(tiny_llama_dir):
     llm = LLM(tiny_llama_dir, dtype="float32", kv_cache_memory_bytes=1 << 22, max_model_len=32)
     with pytest.raises(ValueError, match="max_model_len=32"):

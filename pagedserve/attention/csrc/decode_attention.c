@@ -1,0 +1,255 @@
+/* Paged decode attention for CPU: each sequence's one query token attends its whole cached context, read
+ * in place from the KV-cache blocks (no gather into a new tensor).
+ *
+ * Cache layout per layer: [num_blocks, kv_heads, block_size, head_dim], so one (block, kv head) pair is a
+ * contiguous [block_size, head_dim] tile. Query and output: [batch, heads, head_dim]. Work is split over
+ * (sequence, kv head) pairs; the query heads that share a KV head are done together so each tile is
+ * converted to float32 once. Accumulation is in float32.
+ *
+ * Plain C with OpenMP, called through ctypes: it builds in about a second with gcc and needs no torch headers.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define MAX_GROUP 16
+#define MAX_HEAD_DIM 256  /* also: MAX_GROUP * 128 <= MAX_GROUP * MAX_HEAD_DIM for the fast path's output */
+#define MAX_BLOCK 64
+
+/* One tile of block_size rows to float32. bf16 is the top half of a float32. */
+static inline void tile_to_f32(const void *src, int bf16, int64_t count, float *restrict dst) {
+    if (bf16) {
+        const uint16_t *s = (const uint16_t *)src;
+        uint32_t *d = (uint32_t *)dst;
+#pragma omp simd
+        for (int64_t i = 0; i < count; ++i) d[i] = (uint32_t)s[i] << 16;
+    } else {
+        memcpy(dst, src, sizeof(float) * (size_t)count);
+    }
+}
+
+/* exp(x) for x <= 0 (scores minus their max), vectorizable, unlike libm's expf without -ffast-math:
+ * exp(x) = 2^n * 2^f with n = round(x * log2 e) and |f| <= 1/2; 2^f by its Taylor series to degree 7,
+ * whose truncation error (<= (ln2 / 2)^8 / 8! ~ 5e-9) is below float32 rounding. */
+static inline float exp_nonpositive(float x) {
+    const float t = (x < -87.f ? -87.f : x) * 1.4426950408889634f;
+    const float n = __builtin_floorf(t + 0.5f), f = (t - n) * 0.6931471805599453f;
+    float p = 1.f / 5040.f;
+    p = p * f + 1.f / 720.f;
+    p = p * f + 1.f / 120.f;
+    p = p * f + 1.f / 24.f;
+    p = p * f + 1.f / 6.f;
+    p = p * f + 0.5f;
+    p = p * f + 1.f;
+    p = p * f + 1.f;
+    const uint32_t bits = (uint32_t)((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* NaN stays NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);                                            /* round to nearest even */
+    return (uint16_t)(u >> 16);
+}
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+/* 16 values (bf16 or f32) to a float32 vector. */
+static inline __attribute__((always_inline)) __m512 load16(const void *p, const int bf16) {
+    if (bf16)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+    return _mm512_loadu_ps((const float *)p);
+}
+
+/* One (sequence, kv head) work item with head_dim = 16 * NV, K/V rows held in registers. Called with a
+ * constant nv so that the compiler unrolls every loop over j. */
+static inline __attribute__((always_inline)) void item_avx512(
+    const char *query, const char *key_cache, const char *value_cache, const int64_t *table, int64_t len,
+    float *scores, int64_t group, int64_t block_size, int64_t tile, int64_t row0, int64_t kv_stride,
+    float scale, const int bf16, const int nv, float *out_f32) {
+    const int64_t elem = bf16 ? 2 : 4, head_dim = 16 * nv;
+    __m512 q[MAX_GROUP][8], o[MAX_GROUP][8], k[8];
+    float maxs[MAX_GROUP];
+    const __m512 vscale = _mm512_set1_ps(scale);
+    for (int64_t g = 0; g < group; ++g) {
+        for (int j = 0; j < nv; ++j) {
+            q[g][j] = _mm512_mul_ps(load16(query + ((row0 + g) * head_dim + 16 * j) * elem, bf16), vscale);
+            o[g][j] = _mm512_setzero_ps();
+        }
+        maxs[g] = -INFINITY;
+    }
+    const int64_t tile_bytes = tile * elem;
+    for (int64_t t = 0; t < len; ++t) {
+        const int64_t blk = table[t / block_size];
+        if (t % block_size == 0) {
+            /* Blocks are scattered in memory, so the hardware prefetcher can't see the next one coming:
+             * fetch the next K tile, and this block's V tile for the second pass, ahead of use. */
+            const char *next_k = t + block_size < len ? key_cache + table[t / block_size + 1] * kv_stride * tile_bytes : 0;
+            const char *this_v = value_cache + blk * kv_stride * tile_bytes;
+            for (int64_t off = 0; off < tile_bytes; off += 64) {
+                if (next_k) _mm_prefetch(next_k + off, _MM_HINT_T0);
+                _mm_prefetch(this_v + off, _MM_HINT_T1);
+            }
+        }
+        const char *row = key_cache + ((blk * kv_stride) * tile + (t % block_size) * head_dim) * elem;
+        for (int j = 0; j < nv; ++j) k[j] = load16(row + 16 * j * elem, bf16);
+        for (int64_t g = 0; g < group; ++g) {
+            __m512 acc = _mm512_mul_ps(q[g][0], k[0]);
+            for (int j = 1; j < nv; ++j) acc = _mm512_fmadd_ps(q[g][j], k[j], acc);
+            const float s = _mm512_reduce_add_ps(acc);
+            scores[g * len + t] = s;
+            maxs[g] = s > maxs[g] ? s : maxs[g];
+        }
+    }
+    for (int64_t g = 0; g < group; ++g) {
+        float *sg = scores + g * len, m = maxs[g], sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t t = 0; t < len; ++t) {
+            sg[t] = exp_nonpositive(sg[t] - m);
+            sum += sg[t];
+        }
+        const float inv = sum > 0.f ? 1.f / sum : 0.f;
+        for (int64_t t = 0; t < len; ++t) sg[t] *= inv;
+    }
+    for (int64_t t = 0; t < len; ++t) {
+        const int64_t blk = table[t / block_size];
+        const char *row = value_cache + ((blk * kv_stride) * tile + (t % block_size) * head_dim) * elem;
+        for (int j = 0; j < nv; ++j) k[j] = load16(row + 16 * j * elem, bf16);
+        for (int64_t g = 0; g < group; ++g) {
+            const __m512 p = _mm512_set1_ps(scores[g * len + t]);
+            for (int j = 0; j < nv; ++j) o[g][j] = _mm512_fmadd_ps(p, k[j], o[g][j]);
+        }
+    }
+    for (int64_t g = 0; g < group; ++g)
+        for (int j = 0; j < nv; ++j) _mm512_storeu_ps(out_f32 + g * head_dim + 16 * j, o[g][j]);
+}
+#endif
+
+static inline int decode_attention(const void *query, const void *key_cache, const void *value_cache,
+                                   const int64_t *block_tables, const int64_t *context_lens, void *out,
+                                   int64_t batch, int64_t num_heads, int64_t kv_heads, int64_t head_dim,
+                                   int64_t block_size, int64_t max_blocks, float scale, int num_threads,
+                                   const int bf16) {
+    const int64_t group = num_heads / kv_heads, elem = bf16 ? 2 : 4;
+    if (group > MAX_GROUP || head_dim > MAX_HEAD_DIM || block_size > MAX_BLOCK || group * kv_heads != num_heads)
+        return 1;
+    const int64_t tile = block_size * head_dim;
+    int failed = 0;
+#pragma omp parallel for num_threads(num_threads) schedule(dynamic, 4)
+    for (int64_t work = 0; work < batch * kv_heads; ++work) {
+        const int64_t b = work / kv_heads, h = work % kv_heads, len = context_lens[b];
+        float q[MAX_GROUP][MAX_HEAD_DIM], acc[MAX_GROUP][MAX_HEAD_DIM], rows[MAX_BLOCK * MAX_HEAD_DIM];
+        float maxs[MAX_GROUP], sums[MAX_GROUP];
+        float *scores = malloc(sizeof(float) * (size_t)(group * (len > 0 ? len : 1)));
+        if (!scores) {
+            failed = 1;
+            continue;
+        }
+#if defined(__AVX512F__)
+        if (head_dim == 64 || head_dim == 128) {
+            /* key_cache is offset to this kv head; kv_stride = kv_heads turns block ids into tile ids */
+            const char *kc = (const char *)key_cache + h * tile * elem, *vc = (const char *)value_cache + h * tile * elem;
+            const int64_t row0 = b * num_heads + h * group;
+            if (head_dim == 64)
+                item_avx512((const char *)query, kc, vc, block_tables + b * max_blocks, len, scores, group,
+                            block_size, tile, row0, kv_heads, scale, bf16, 4, acc[0]);
+            else
+                item_avx512((const char *)query, kc, vc, block_tables + b * max_blocks, len, scores, group,
+                            block_size, tile, row0, kv_heads, scale, bf16, 8, acc[0]);
+            for (int64_t g = 0; g < group; ++g) {
+                const int64_t at = (row0 + g) * head_dim;
+                if (bf16) {
+                    uint16_t *dst = (uint16_t *)out + at;
+                    for (int64_t d = 0; d < head_dim; ++d) dst[d] = f32_to_bf16(acc[0][g * head_dim + d]);
+                } else {
+                    memcpy((float *)out + at, acc[0] + g * head_dim, sizeof(float) * (size_t)head_dim);
+                }
+            }
+            free(scores);
+            continue;
+        }
+#endif
+        for (int64_t g = 0; g < group; ++g) {
+            const int64_t at = (b * num_heads + h * group + g) * head_dim;
+            tile_to_f32((const char *)query + at * elem, bf16, head_dim, q[g]);
+            for (int64_t d = 0; d < head_dim; ++d) {
+                q[g][d] *= scale;
+                acc[g][d] = 0.f;
+            }
+            maxs[g] = -INFINITY;
+            sums[g] = 0.f;
+        }
+        /* scores = q . k for every cached token, one block tile at a time */
+        for (int64_t start = 0; start < len; start += block_size) {
+            const int64_t blk = block_tables[b * max_blocks + start / block_size];
+            const int64_t n = len - start < block_size ? len - start : block_size;
+            tile_to_f32((const char *)key_cache + (blk * kv_heads + h) * tile * elem, bf16, n * head_dim, rows);
+            for (int64_t g = 0; g < group; ++g)
+                for (int64_t t = 0; t < n; ++t) {
+                    const float *k = rows + t * head_dim;
+                    float s = 0.f;
+#pragma omp simd reduction(+ : s)
+                    for (int64_t d = 0; d < head_dim; ++d) s += q[g][d] * k[d];
+                    scores[g * len + start + t] = s;
+                    maxs[g] = s > maxs[g] ? s : maxs[g];
+                }
+        }
+        for (int64_t g = 0; g < group; ++g) {
+            float *sg = scores + g * len, m = maxs[g], sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+            for (int64_t t = 0; t < len; ++t) {
+                sg[t] = exp_nonpositive(sg[t] - m);
+                sum += sg[t];
+            }
+            sums[g] = sum;
+        }
+        /* out = softmax(scores) . v */
+        for (int64_t start = 0; start < len; start += block_size) {
+            const int64_t blk = block_tables[b * max_blocks + start / block_size];
+            const int64_t n = len - start < block_size ? len - start : block_size;
+            tile_to_f32((const char *)value_cache + (blk * kv_heads + h) * tile * elem, bf16, n * head_dim, rows);
+            for (int64_t g = 0; g < group; ++g)
+                for (int64_t t = 0; t < n; ++t) {
+                    const float p = scores[g * len + start + t], *v = rows + t * head_dim;
+                    float *a = acc[g];
+#pragma omp simd
+                    for (int64_t d = 0; d < head_dim; ++d) a[d] += p * v[d];
+                }
+        }
+        for (int64_t g = 0; g < group; ++g) {
+            const int64_t at = (b * num_heads + h * group + g) * head_dim;
+            const float inv = sums[g] > 0.f ? 1.f / sums[g] : 0.f;
+            if (bf16) {
+                uint16_t *dst = (uint16_t *)out + at;
+                for (int64_t d = 0; d < head_dim; ++d) dst[d] = f32_to_bf16(acc[g][d] * inv);
+            } else {
+                float *dst = (float *)out + at;
+                for (int64_t d = 0; d < head_dim; ++d) dst[d] = acc[g][d] * inv;
+            }
+        }
+        free(scores);
+    }
+    return failed ? 2 : 0;
+}
+
+int decode_attention_f32(const void *query, const void *key_cache, const void *value_cache,
+                         const int64_t *block_tables, const int64_t *context_lens, void *out, int64_t batch,
+                         int64_t num_heads, int64_t kv_heads, int64_t head_dim, int64_t block_size,
+                         int64_t max_blocks, float scale, int num_threads) {
+    return decode_attention(query, key_cache, value_cache, block_tables, context_lens, out, batch, num_heads,
+                            kv_heads, head_dim, block_size, max_blocks, scale, num_threads, 0);
+}
+
+int decode_attention_bf16(const void *query, const void *key_cache, const void *value_cache,
+                          const int64_t *block_tables, const int64_t *context_lens, void *out, int64_t batch,
+                          int64_t num_heads, int64_t kv_heads, int64_t head_dim, int64_t block_size,
+                          int64_t max_blocks, float scale, int num_threads) {
+    return decode_attention(query, key_cache, value_cache, block_tables, context_lens, out, batch, num_heads,
+                            kv_heads, head_dim, block_size, max_blocks, scale, num_threads, 1);
+}

@@ -1,0 +1,72 @@
+"""The C decode kernel equals the torch reference path, and both equal plain softmax attention."""
+
+import pytest
+import torch
+
+from pagedserve.attention import cpu_decode
+from pagedserve.attention.metadata import DecodeBatch
+from pagedserve.attention.torch_paged import decode_attention_torch
+
+needs_kernel = pytest.mark.skipif(cpu_decode.load() is None, reason="no C compiler: kernel not built")
+
+
+def random_batch(dtype, batch=7, heads=6, kv_heads=2, head_dim=32, block_size=4, num_blocks=64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    key_cache = torch.randn(num_blocks, kv_heads, block_size, head_dim, generator=g).to(dtype)
+    value_cache = torch.randn(num_blocks, kv_heads, block_size, head_dim, generator=g).to(dtype)
+    context_lens = torch.randint(1, 23, (batch,), generator=g)
+    max_blocks = int(-(-context_lens.max() // block_size))
+    # distinct random blocks per sequence, padded with 0 past the context
+    perm = torch.randperm(num_blocks, generator=g)[: batch * max_blocks].view(batch, max_blocks)
+    query = torch.randn(batch, heads, head_dim, generator=g).to(dtype)
+    return query, key_cache, value_cache, DecodeBatch(perm.contiguous(), context_lens, kv_heads, block_size)
+
+
+def naive(query, key_cache, value_cache, decode):
+    out = []
+    kv_heads, block_size = key_cache.shape[1], key_cache.shape[2]
+    for b in range(query.shape[0]):
+        n = int(decode.context_lens[b])
+        blocks = decode.block_tables[b, : -(-n // block_size)]
+        k = key_cache[blocks].permute(1, 0, 2, 3).reshape(kv_heads, -1, key_cache.shape[-1])[:, :n].float()
+        v = value_cache[blocks].permute(1, 0, 2, 3).reshape(kv_heads, -1, key_cache.shape[-1])[:, :n].float()
+        group = query.shape[1] // kv_heads
+        q = query[b].float().view(kv_heads, group, -1)
+        p = torch.softmax(q @ k.transpose(1, 2) / q.shape[-1] ** 0.5, -1)
+        out.append((p @ v).reshape(-1))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_torch_path_matches_naive_attention(dtype, tol):
+    q, kc, vc, decode = random_batch(dtype)
+    assert torch.allclose(decode_attention_torch(q, kc, vc, decode).float(), naive(q, kc, vc, decode), atol=tol)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(6, 2, 32), (4, 4, 64), (9, 3, 64)])
+def test_kernel_matches_naive_attention(dtype, tol, heads, kv_heads, head_dim):
+    q, kc, vc, decode = random_batch(dtype, heads=heads, kv_heads=kv_heads, head_dim=head_dim)
+    out = cpu_decode.decode_attention(q, kc, vc, decode.block_tables, decode.context_lens)
+    assert out.dtype == dtype
+    assert torch.allclose(out.float(), naive(q, kc, vc, decode), atol=tol)
+
+
+@needs_kernel
+def test_kernel_ignores_stale_values_past_the_context():
+    q, kc, vc, decode = random_batch(torch.float32)
+    before = cpu_decode.decode_attention(q, kc, vc, decode.block_tables, decode.context_lens)
+    kc_dirty, vc_dirty = kc.clone(), vc.clone()
+    used = set()
+    for b in range(q.shape[0]):
+        n = int(decode.context_lens[b])
+        for t in range(n):
+            used.add((int(decode.block_tables[b, t // 4]), t % 4))
+    for blk in range(kc.shape[0]):
+        for off in range(4):
+            if (blk, off) not in used:
+                kc_dirty[blk, :, off] = float("nan")
+                vc_dirty[blk, :, off] = float("nan")
+    after = cpu_decode.decode_attention(q, kc_dirty, vc_dirty, decode.block_tables, decode.context_lens)
+    assert torch.equal(before, after)
