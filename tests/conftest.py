@@ -80,6 +80,30 @@ def assert_no_leaked_blocks(engine) -> None:
     assert not engine.output_processor.requests
 
 
+_live_engines: "weakref.WeakSet" = None
+
+
+@pytest.fixture(autouse=True)
+def every_kv_block_is_free_after_each_test():
+    """Block accounting, checked after every test on every engine still alive: all blocks back in the pool."""
+    yield
+    for engine in list(_live_engines):
+        assert_no_leaked_blocks(engine)
+
+
 def pytest_configure(config):
+    global _live_engines
+    import weakref
+
+    from pagedserve.engine.llm_engine import LLMEngine
+
+    _live_engines = weakref.WeakSet()
+    original_init = LLMEngine.__init__
+
+    def tracking_init(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        _live_engines.add(self)
+
+    LLMEngine.__init__ = tracking_init
     # Tests must not depend on the machine's thread count for determinism of what they compare.
     torch.set_num_threads(min(2, os.cpu_count() or 1))

@@ -56,5 +56,17 @@ class PrefillSeq:
 class AttentionMetadata:
     slot_mapping: torch.Tensor
     """[num_tokens] int64: the cache slot (block_id * block_size + offset) each new token's K/V goes to."""
+    num_kv_heads: int
+    block_size: int
     decode: Optional[DecodeBatch] = None
     prefills: list[PrefillSeq] = field(default_factory=list)
+
+    @cached_property
+    def cache_rows(self) -> torch.Tensor:
+        """[num_tokens * kv_heads]: the row of a cache viewed as [-1, head_dim] that each (token, kv head)
+        of this step's K/V goes to. Computed once per step; every layer's write is then one index_copy_."""
+        blocks = self.slot_mapping // self.block_size
+        offsets = self.slot_mapping % self.block_size
+        heads = torch.arange(self.num_kv_heads, device=self.slot_mapping.device)
+        tiles = blocks[:, None] * self.num_kv_heads + heads[None, :]
+        return (tiles * self.block_size + offsets[:, None]).reshape(-1)

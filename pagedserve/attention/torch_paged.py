@@ -15,12 +15,11 @@ from pagedserve.attention.metadata import AttentionMetadata, DecodeBatch
 
 
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                   slot_mapping: torch.Tensor) -> None:
-    """Store this step's K/V [num_tokens, kv_heads, head_dim] at their slots (block * block_size + offset)."""
-    block_size = key_cache.shape[2]
-    blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
-    key_cache[blocks, :, offsets] = key
-    value_cache[blocks, :, offsets] = value
+                   meta: AttentionMetadata) -> None:
+    """Store this step's K/V [num_tokens, kv_heads, head_dim] at their slots."""
+    head_dim = key_cache.shape[-1]
+    key_cache.view(-1, head_dim).index_copy_(0, meta.cache_rows, key.reshape(-1, head_dim))
+    value_cache.view(-1, head_dim).index_copy_(0, meta.cache_rows, value.reshape(-1, head_dim))
 
 
 def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
@@ -30,7 +29,7 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     query [T, num_heads, head_dim]; key/value [T, kv_heads, head_dim] (this step's, already rotated).
     Returns [T, num_heads * head_dim].
     """
-    write_kv_cache(key, value, key_cache, value_cache, meta.slot_mapping)
+    write_kv_cache(key, value, key_cache, value_cache, meta)
     num_tokens, num_heads, head_dim = query.shape
     if meta.decode is not None and not meta.prefills:
         return _decode_attention(query, key_cache, value_cache, meta.decode)

@@ -20,7 +20,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             if (config_cls.__name__, f.name) in _SKIP:
                 continue
             flag = "--" + f.name.replace("_", "-")
-            help_text = config_field_help(config_cls, f.name)
+            help_text = config_field_help(config_cls, f.name).replace("%", "%%")  # argparse formats help with %
             kind = _base_type(hints[f.name])
             if kind is bool:
                 group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)

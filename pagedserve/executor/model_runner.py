@@ -114,7 +114,8 @@ class ModelRunner:
                 prefills.append(PrefillSeq(row, item.num_tokens, end, table))
             if item.samples:
                 sample_rows.append((index, row + item.num_tokens - 1))
-        meta = AttentionMetadata(slot_mapping=self._tensor(slots), prefills=prefills,
+        meta = AttentionMetadata(slot_mapping=self._tensor(slots), num_kv_heads=self.num_kv_heads,
+                                 block_size=block_size, prefills=prefills,
                                  decode=self._decode_batch(items[:num_decodes]) if num_decodes else None)
         return self._tensor(token_ids), self._tensor(positions), meta, sample_rows
 

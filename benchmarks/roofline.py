@@ -1,0 +1,82 @@
+"""Roofline for workload W1 on this machine: measured matmul rate and memory bandwidth vs the work W1 needs.
+
+    python benchmarks/roofline.py [--dtype bfloat16|float32] [--num-prompts 256 --input-len 128 --output-len 128]
+
+Prints the GEMM rate on the default model's own shapes (256 rows, as in a full decode batch, and 2048 rows, as
+in a prefill step), the copy bandwidth, the FLOPs one W1 run needs (from the model's config), and the output
+tok/s that the matmul rate alone allows: no engine can beat that bound on this machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+
+def gemm_rate(rows: int, shapes: list[tuple[int, int]], dtype: torch.dtype, repeats: int = 10) -> float:
+    """GFLOP/s of x[rows, k] @ w[n, k]^T summed over the shapes, as one forward pass would run them."""
+    pairs = [(torch.randn(rows, k, dtype=dtype), torch.randn(n, k, dtype=dtype)) for n, k in shapes]
+    for x, w in pairs:
+        torch.nn.functional.linear(x, w)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        for x, w in pairs:
+            torch.nn.functional.linear(x, w)
+    seconds = (time.perf_counter() - start) / repeats
+    return sum(2 * rows * n * k for n, k in shapes) / seconds / 1e9
+
+
+def copy_bandwidth(num_bytes: int = 256 << 20, repeats: int = 10) -> float:
+    src = torch.ones(num_bytes, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        dst.copy_(src)
+    return 2 * num_bytes * repeats / (time.perf_counter() - start) / 1e9  # read + write
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--num-prompts", type=int, default=256)
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=128)
+    args = parser.parse_args()
+    from pagedserve.loader.model_loader import open_checkpoint
+
+    c = open_checkpoint(args.model).config
+    h, inter, layers, vocab = c.hidden_size, c.intermediate_size, c.num_hidden_layers, c.vocab_size
+    head_dim = getattr(c, "head_dim", None) or h // c.num_attention_heads
+    q, kv = c.num_attention_heads * head_dim, c.num_key_value_heads * head_dim
+    layer_shapes = [(q + 2 * kv, h), (h, q), (2 * inter, h), (h, inter)]  # fused qkv, o, gate_up, down
+    layer_params = sum(n * k for n, k in layer_shapes) * layers
+    dtype = getattr(torch, args.dtype)
+
+    decode_rate = gemm_rate(256, layer_shapes + [(vocab, h)], dtype)
+    prefill_rate = gemm_rate(2048, layer_shapes, dtype)
+    bandwidth = copy_bandwidth()
+
+    n, p, o = args.num_prompts, args.input_len, args.output_len
+    prefill_flops = 2 * layer_params * n * p
+    decode_flops = 2 * layer_params * n * (o - 1)
+    lm_head_flops = 2 * vocab * h * n * o
+    ctx = p + o / 2
+    attn_flops = layers * c.num_attention_heads * head_dim * 4 * n * (o * ctx + p * p / 2)
+    total = prefill_flops + decode_flops + lm_head_flops + attn_flops
+    bound_s = (prefill_flops + attn_flops / 2) / (prefill_rate * 1e9) + (decode_flops + lm_head_flops + attn_flops / 2) / (decode_rate * 1e9)
+
+    print(f"threads {torch.get_num_threads()}  dtype {args.dtype}")
+    print(f"GEMM rate, model shapes, 256 rows (decode step):  {decode_rate:7.1f} GFLOP/s")
+    print(f"GEMM rate, model shapes, 2048 rows (prefill step): {prefill_rate:7.1f} GFLOP/s")
+    print(f"copy bandwidth (read + write):                     {bandwidth:7.1f} GB/s")
+    print(f"W1 work: prefill {prefill_flops / 1e12:.2f} + decode {decode_flops / 1e12:.2f} + lm_head "
+          f"{lm_head_flops / 1e12:.2f} + attention {attn_flops / 1e12:.2f} = {total / 1e12:.2f} TFLOP")
+    print(f"matmul-bound time {bound_s:.1f} s -> at most {n * o / bound_s:.0f} output tok/s")
+
+
+if __name__ == "__main__":
+    main()
