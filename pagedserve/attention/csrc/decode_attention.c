@@ -16,6 +16,9 @@
 #define MAX_GROUP 16
 #define MAX_HEAD_DIM 256  /* also: MAX_GROUP * 128 <= MAX_GROUP * MAX_HEAD_DIM for the fast path's output */
 #define MAX_BLOCK 64
+#ifndef PREFETCH_AHEAD
+#define PREFETCH_AHEAD 2
+#endif
 
 /* One tile of block_size rows to float32. bf16 is the top half of a float32. */
 static inline void tile_to_f32(const void *src, int bf16, int64_t count, float *restrict dst) {
@@ -88,9 +91,10 @@ static inline __attribute__((always_inline)) void item_avx512(
     for (int64_t t = 0; t < len; ++t) {
         const int64_t blk = table[t / block_size];
         if (t % block_size == 0) {
-            /* Blocks are scattered in memory, so the hardware prefetcher can't see the next one coming:
-             * fetch the next K tile, and this block's V tile for the second pass, ahead of use. */
-            const char *next_k = t + block_size < len ? key_cache + table[t / block_size + 1] * kv_stride * tile_bytes : 0;
+            /* Blocks are scattered in memory, so the hardware prefetcher can't see them coming: fetch the
+             * K tile PREFETCH_AHEAD blocks ahead, and this block's V tile for the second pass. */
+            const int64_t ahead = t + PREFETCH_AHEAD * block_size;
+            const char *next_k = ahead < len ? key_cache + table[ahead / block_size] * kv_stride * tile_bytes : 0;
             const char *this_v = value_cache + blk * kv_stride * tile_bytes;
             for (int64_t off = 0; off < tile_bytes; off += 64) {
                 if (next_k) _mm_prefetch(next_k + off, _MM_HINT_T0);
