@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import weakref
 
 import pytest
 import torch
@@ -93,8 +94,6 @@ def every_kv_block_is_free_after_each_test():
 
 def pytest_configure(config):
     global _live_engines
-    import weakref
-
     from pagedserve.engine.llm_engine import LLMEngine
 
     _live_engines = weakref.WeakSet()

@@ -19,15 +19,18 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import gguf
 import numpy as np
 import torch
 import transformers
-from gguf import GGMLQuantizationType as QType
 from gguf import GGUFValueType, Keys
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+from tokenizers import AddedToken
+
+from pagedserve.loader.gguf_quants import SUPPORTED_TENSOR_TYPES, dequantize
+from pagedserve.loader.gguf_tokenizer import (TOKEN_CONTROL, TOKEN_NORMAL, TOKEN_USER_DEFINED, _byte_level_bpe,
+                                             _sentencepiece_bpe)
 
 logger = logging.getLogger(__name__)
 
@@ -59,8 +62,6 @@ LAYER_TENSOR_NAMES = {
 # factors, which the config expresses as rope_parameters instead.
 NON_PARAMETER_TENSORS = {"rope_freqs.weight"}
 
-# llama.cpp token types (tokenizer.ggml.token_type).
-TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = 1, 2, 3, 4, 5, 6
 
 
 def gguf_to_hf_name(name: str) -> str:
@@ -91,192 +92,6 @@ def unpermute_rope_rows(weight: torch.Tensor, n_head: int) -> torch.Tensor:
     """Inverse of ``permute_rope_rows``: GGUF (interleaved) q/k rows back to HF (half-split) order."""
     rows = weight.shape[0]
     return weight.reshape(n_head, rows // n_head // 2, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
-
-
-# ---------------------------------------------------------------------------------------------
-# Dequantization. Each function takes the raw blocks as a uint8 tensor [n_blocks, bytes_per_block]
-# and returns float32 values [n_blocks, values_per_block], following ggml's reference layouts
-# (ggml-quants.c, dequantize_row_*).
-# ---------------------------------------------------------------------------------------------
-
-
-def _half(blocks: torch.Tensor, offset: int) -> torch.Tensor:
-    """The float16 stored at byte ``offset`` of every block, as float32 [n_blocks, 1]."""
-    return blocks[:, offset : offset + 2].contiguous().view(torch.float16).float()
-
-
-def _nibbles(packed: torch.Tensor) -> torch.Tensor:
-    """Low nibbles of all bytes, then high nibbles: ggml packs value j and j + n/2 in byte j."""
-    return torch.cat([packed & 0x0F, packed >> 4], dim=-1)
-
-
-# The common types work in place on their one float32 buffer: fewer temporaries keep the peak
-# memory and the time spent first-touching fresh pages down.
-
-
-def _dequantize_q8_0(blocks: torch.Tensor) -> torch.Tensor:
-    # d: f16, qs: 32 x int8; x = d * q
-    return blocks[:, 2:].view(torch.int8).float().mul_(_half(blocks, 0))
-
-
-def _dequantize_q4_0(blocks: torch.Tensor) -> torch.Tensor:
-    # d: f16, qs: 16 bytes of 4-bit values; x = d * (q - 8)
-    return _nibbles(blocks[:, 2:]).float().sub_(8.0).mul_(_half(blocks, 0))
-
-
-def _dequantize_q4_1(blocks: torch.Tensor) -> torch.Tensor:
-    # d: f16, m: f16, qs: 16 bytes of 4-bit values; x = d * q + m
-    return _nibbles(blocks[:, 4:]).float().mul_(_half(blocks, 0)).add_(_half(blocks, 2))
-
-
-def _dequantize_q4_k(blocks: torch.Tensor) -> torch.Tensor:
-    # Super-block of 256 = 8 sub-blocks of 32. d, dmin: f16; scales: 12 bytes holding 8 six-bit
-    # scales and 8 six-bit mins; qs: 128 bytes, each 32-byte group holds two sub-blocks (low
-    # nibbles first). x = d * scale * q - dmin * min.
-    n = blocks.shape[0]
-    d, dmin = _half(blocks, 0), _half(blocks, 2)
-    s = blocks[:, 4:16]
-    lo, mid, hi = s[:, 0:4], s[:, 4:8], s[:, 8:12]
-    # Sub-blocks 0-3 keep their 6 bits in bytes 0-3 (scales) and 4-7 (mins); sub-blocks 4-7 take
-    # 4 bits from bytes 8-11 and their top 2 bits from the unused top bits of bytes 0-7.
-    scales = torch.cat([lo & 63, (hi & 0x0F) | ((lo >> 6) << 4)], dim=1).float()
-    mins = torch.cat([mid & 63, (hi >> 4) | ((mid >> 6) << 4)], dim=1).float()
-    q = _nibbles(blocks[:, 16:].reshape(n, 4, 32)).reshape(n, 8, 32).float()
-    out = (d * scales).unsqueeze(-1) * q - (dmin * mins).unsqueeze(-1)
-    return out.reshape(n, 256)
-
-
-def _dequantize_q6_k(blocks: torch.Tensor) -> torch.Tensor:
-    # Super-block of 256 = 16 sub-blocks of 16. ql: 128 bytes (low 4 bits), qh: 64 bytes (high 2
-    # bits), scales: 16 x int8, d: f16. x = d * scale * (q - 32). Each half of 128 values takes 64
-    # ql bytes (low nibbles: values 0-63, high nibbles: 64-127) and 32 qh bytes (2-bit fields at
-    # shifts 0, 2, 4, 6 for values 0-31, 32-63, 64-95, 96-127).
-    n = blocks.shape[0]
-    ql = _nibbles(blocks[:, :128].reshape(n, 2, 64))
-    qh = blocks[:, 128:192].reshape(n, 2, 32)
-    qh = torch.cat([qh & 3, (qh >> 2) & 3, (qh >> 4) & 3, qh >> 6], dim=-1)
-    q = (ql | (qh << 4)).float() - 32.0
-    scales = blocks[:, 192:208].view(torch.int8).float() * _half(blocks, 208)
-    return (q.reshape(n, 16, 16) * scales.unsqueeze(-1)).reshape(n, 256)
-
-
-_BLOCK_DEQUANTIZERS: dict[QType, Callable[[torch.Tensor], torch.Tensor]] = {
-    QType.Q8_0: _dequantize_q8_0,
-    QType.Q4_0: _dequantize_q4_0,
-    QType.Q4_1: _dequantize_q4_1,
-    QType.Q4_K: _dequantize_q4_k,
-    QType.Q6_K: _dequantize_q6_k,
-}
-_FLOAT_TYPES = {QType.F32: torch.float32, QType.F16: torch.float16, QType.BF16: torch.bfloat16}
-SUPPORTED_TENSOR_TYPES = frozenset(_FLOAT_TYPES) | frozenset(_BLOCK_DEQUANTIZERS)
-
-
-def dequantize(
-    raw: np.ndarray, qtype: QType, shape: tuple[int, ...], dtype: torch.dtype = torch.float32
-) -> torch.Tensor:
-    """Decode one GGUF tensor's data to a new ``dtype`` tensor of ``shape``.
-
-    ``raw`` is the tensor's data as GGUFReader gives it (any dtype; only its bytes are read), and
-    ``shape`` the logical shape in numpy order (GGUF lists dimensions innermost first, so this is
-    the reverse of ReaderTensor.shape). The result never shares memory with ``raw``.
-    """
-    if qtype not in SUPPORTED_TENSOR_TYPES:
-        raise ValueError(f"unsupported GGUF tensor type {qtype.name}")
-    data = torch.from_numpy(np.ascontiguousarray(raw).reshape(-1).view(np.uint8))
-    if qtype in _FLOAT_TYPES:
-        # copy=True: never hand out a view of the (memory-mapped) file.
-        return data.view(_FLOAT_TYPES[qtype]).reshape(shape).to(dtype, copy=True)
-    _, type_size = gguf.GGML_QUANT_SIZES[qtype]
-    values = _BLOCK_DEQUANTIZERS[qtype](data.reshape(-1, type_size))
-    return values.reshape(shape).to(dtype)
-
-
-# ---------------------------------------------------------------------------------------------
-# Tokenizer construction
-# ---------------------------------------------------------------------------------------------
-
-_GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-# tokenizer.ggml.pre -> pre-tokenizer. These mirror llama.cpp's regexes for each pre type (which
-# it copied from each model's tokenizer.json), so text is split where the merges were learned.
-_DIGIT_THEN_GPT2 = ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva")
-_LLAMA3_STYLE = ("llama3", "llama-v3", "llama-bpe", "smaug-bpe", "dbrx", "falcon3", "pixtral")
-_QWEN2_STYLE = ("qwen2", "deepseek-r1-qwen")
-
-
-def _byte_level_pre_tokenizer(pre: Optional[str]) -> pre_tokenizers.PreTokenizer:
-    if pre in _DIGIT_THEN_GPT2:
-        split: list = [pre_tokenizers.Digits(individual_digits=True)]
-        regex = _GPT2_SPLIT
-    elif pre in _LLAMA3_STYLE:
-        split, regex = [], _LLAMA3_SPLIT
-    elif pre in _QWEN2_STYLE:
-        split, regex = [], _QWEN2_SPLIT
-    else:
-        if pre not in (None, "default", "gpt2", "gpt-2"):
-            logger.warning("GGUF tokenizer pre-type %r is unknown; splitting text like GPT-2", pre)
-        split, regex = [], _GPT2_SPLIT
-    split.append(pre_tokenizers.Split(Regex(regex), behavior="isolated"))
-    # use_regex=False: the Split above already did the splitting; ByteLevel only maps bytes.
-    return pre_tokenizers.Sequence(split + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-
-
-def _byte_level_bpe(tokens: list[str], merges: list[str], pre: Optional[str]) -> Tokenizer:
-    """GPT-2 style byte-level BPE ("gpt2" in llama.cpp): tokens are already in the byte alphabet."""
-    vocab = {token: index for index, token in enumerate(tokens)}
-    pairs = [tuple(merge.split(" ", 1)) for merge in merges]
-    # llama.cpp (and Llama 3's tokenizer.json) take a word that is itself a token whole.
-    bpe = models.BPE(vocab=vocab, merges=pairs, ignore_merges=pre in _LLAMA3_STYLE)
-    tokenizer = Tokenizer(bpe)
-    if pre in _QWEN2_STYLE:
-        tokenizer.normalizer = normalizers.NFC()
-    tokenizer.pre_tokenizer = _byte_level_pre_tokenizer(pre)
-    tokenizer.decoder = decoders.ByteLevel()
-    return tokenizer
-
-
-def _merges_from_scores(tokens: list[str], scores: np.ndarray, types: np.ndarray) -> list[tuple[str, str]]:
-    """BPE merges implied by a SentencePiece vocabulary: every split of a token into two tokens,
-    ranked by the merged token's score (SentencePiece BPE merges the best-scoring pair first)."""
-    vocab = {token: index for index, token in enumerate(tokens) if types[index] == TOKEN_NORMAL}
-    ranked = []
-    for token, index in vocab.items():
-        for cut in range(1, len(token)):
-            left, right = token[:cut], token[cut:]
-            if left in vocab and right in vocab:
-                ranked.append((-float(scores[index]), vocab[left], vocab[right], left, right))
-    ranked.sort()
-    return [(left, right) for *_, left, right in ranked]
-
-
-def _sentencepiece_bpe(tokens: list[str], scores: np.ndarray, types: np.ndarray, add_space_prefix: bool) -> Tokenizer:
-    """SentencePiece BPE ("llama" in llama.cpp), with byte fallback, like HF's LlamaTokenizerFast."""
-    vocab = {token: index for index, token in enumerate(tokens)}
-    unk = next((tokens[i] for i in range(len(tokens)) if types[i] == TOKEN_UNKNOWN), None)
-    bpe = models.BPE(
-        vocab=vocab,
-        merges=_merges_from_scores(tokens, scores, types),
-        unk_token=unk,
-        fuse_unk=True,
-        byte_fallback=True,
-    )
-    tokenizer = Tokenizer(bpe)
-    # SentencePiece writes spaces as U+2581 and (usually) prefixes the text with one.
-    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(
-        replacement="\u2581", prepend_scheme="first" if add_space_prefix else "never", split=False
-    )
-    steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
-    if add_space_prefix:
-        steps.append(decoders.Strip(" ", 1, 0))
-    tokenizer.decoder = decoders.Sequence(steps)
-    return tokenizer
 
 
 # ---------------------------------------------------------------------------------------------

@@ -20,14 +20,8 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType as QType
 
-from pagedserve.loader.gguf import (
-    GLOBAL_TENSOR_NAMES,
-    LAYER_TENSOR_NAMES,
-    TOKEN_CONTROL,
-    TOKEN_NORMAL,
-    TOKEN_UNUSED,
-    permute_rope_rows,
-)
+from pagedserve.loader.gguf import GLOBAL_TENSOR_NAMES, LAYER_TENSOR_NAMES, permute_rope_rows
+from pagedserve.loader.gguf_tokenizer import TOKEN_CONTROL, TOKEN_NORMAL, TOKEN_UNUSED
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}"

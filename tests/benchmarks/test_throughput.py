@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from pagedserve.benchmarks import throughput
+from pagedserve.benchmarks import step_profile, throughput
 
 
 def _args(*argv: str) -> argparse.Namespace:
@@ -54,7 +54,7 @@ def test_tiny_model_both_backends_with_profile(tiny_llama_dir, tmp_path):
     assert result["workload"]["prompt_id_range"][1] <= 400  # clamped to the tiny vocabulary
 
     profile = result["profile"]
-    labels = [label for label, *_ in throughput.PROFILE_ROWS] + [throughput.PROFILE_OTHER]
+    labels = [label for label, *_ in step_profile.PROFILE_ROWS] + [step_profile.PROFILE_OTHER]
     assert list(profile["rows"]) == labels
     assert profile["steps"] >= 1 and profile["wall_s"] > 0
     assert sum(row["seconds"] for row in profile["rows"].values()) == pytest.approx(profile["wall_s"])
@@ -82,7 +82,7 @@ def test_profile_restores_the_engine(tiny_llama_dir):
               "model": set(vars(engine.runner.model)), "scheduler": dict(vars(engine.scheduler)),
               "output_processor": dict(vars(engine.output_processor))}
     prompts = throughput.make_prompts(2, 4, 400, seed=0)
-    throughput.profile_run(backend, prompts, 3, torch_steps=0)
+    step_profile.profile_run(backend, prompts, 3, torch_steps=0)
     assert set(vars(engine.runner.model)) == before["model"]
     for name, obj in (("engine", engine), ("runner", engine.runner), ("scheduler", engine.scheduler),
                       ("output_processor", engine.output_processor)):

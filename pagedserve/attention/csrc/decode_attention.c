@@ -60,6 +60,17 @@ static inline uint16_t f32_to_bf16(float f) {
     return (uint16_t)(u >> 16);
 }
 
+/* out[at : at + head_dim] = src * factor, rounded to the output dtype. */
+static inline void store_row(void *out, int64_t at, const float *src, float factor, int64_t head_dim, int bf16) {
+    if (bf16) {
+        uint16_t *dst = (uint16_t *)out + at;
+        for (int64_t d = 0; d < head_dim; ++d) dst[d] = f32_to_bf16(src[d] * factor);
+    } else {
+        float *dst = (float *)out + at;
+        for (int64_t d = 0; d < head_dim; ++d) dst[d] = src[d] * factor;
+    }
+}
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
@@ -166,15 +177,8 @@ static inline int decode_attention(const void *query, const void *key_cache, con
             else
                 item_avx512((const char *)query, kc, vc, block_tables + b * max_blocks, len, scores, group,
                             block_size, tile, row0, kv_heads, scale, bf16, 8, acc[0]);
-            for (int64_t g = 0; g < group; ++g) {
-                const int64_t at = (row0 + g) * head_dim;
-                if (bf16) {
-                    uint16_t *dst = (uint16_t *)out + at;
-                    for (int64_t d = 0; d < head_dim; ++d) dst[d] = f32_to_bf16(acc[0][g * head_dim + d]);
-                } else {
-                    memcpy((float *)out + at, acc[0] + g * head_dim, sizeof(float) * (size_t)head_dim);
-                }
-            }
+            for (int64_t g = 0; g < group; ++g)
+                store_row(out, (row0 + g) * head_dim, acc[0] + g * head_dim, 1.f, head_dim, bf16);
             free(scores);
             continue;
         }
@@ -226,17 +230,9 @@ static inline int decode_attention(const void *query, const void *key_cache, con
                     for (int64_t d = 0; d < head_dim; ++d) a[d] += p * v[d];
                 }
         }
-        for (int64_t g = 0; g < group; ++g) {
-            const int64_t at = (b * num_heads + h * group + g) * head_dim;
-            const float inv = sums[g] > 0.f ? 1.f / sums[g] : 0.f;
-            if (bf16) {
-                uint16_t *dst = (uint16_t *)out + at;
-                for (int64_t d = 0; d < head_dim; ++d) dst[d] = f32_to_bf16(acc[g][d] * inv);
-            } else {
-                float *dst = (float *)out + at;
-                for (int64_t d = 0; d < head_dim; ++d) dst[d] = acc[g][d] * inv;
-            }
-        }
+        for (int64_t g = 0; g < group; ++g)
+            store_row(out, (b * num_heads + h * group + g) * head_dim, acc[g], sums[g] > 0.f ? 1.f / sums[g] : 0.f,
+                      head_dim, bf16);
         free(scores);
     }
     return failed ? 2 : 0;
