@@ -62,6 +62,8 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: Optional[int | str] = None
         self.num_preemptions = 0
+        self.first_scheduled_time: Optional[float] = None
+        """When the scheduler first moved it from waiting to running (for queue-time metrics)."""
         # Stop checks need these token sets often; build them once.
         stop_ids = set(sampling_params.stop_token_ids)
         if not sampling_params.ignore_eos:

@@ -7,6 +7,7 @@ preemption are the same thing seen from here.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from typing import Iterable, Optional
 
@@ -72,6 +73,8 @@ class Scheduler:
                 break
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.time()
             self.running.append(request)
             out.scheduled.append(ScheduledRequest(request, num_new, self.kv.get_block_ids(request.request_id)))
             budget -= num_new

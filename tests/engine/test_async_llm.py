@@ -1,0 +1,182 @@
+"""AsyncLLM: the engine thread, per-request queues, early-exit aborts, queue limit, shutdown, stats."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from pagedserve import LLM, SamplingParams
+from pagedserve.engine.async_llm import AsyncLLM, EngineDeadError, QueueFullError
+from conftest import assert_no_leaked_blocks
+
+ENGINE = dict(dtype="float32", kv_cache_memory_bytes=1 << 22, max_model_len=256)
+PROMPTS = ["The quick brown fox", "Paged attention stores", "Hello, world.", "Continuous batching re-forms",
+           "12345", "Bonjour le monde", "emoji", "The lazy dog"]
+
+
+def wait_idle(async_llm: AsyncLLM, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while async_llm.engine.has_unfinished_requests() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert_no_leaked_blocks(async_llm.engine)
+
+
+@pytest.fixture(scope="module")
+def async_llm(tiny_llama_dir):
+    engine = AsyncLLM.from_kwargs(model=tiny_llama_dir, **ENGINE)
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_llama_dir):
+    return LLM(tiny_llama_dir, **ENGINE)
+
+
+async def collect(async_llm, prompt, params, request_id=None):
+    text, token_ids, outputs = "", [], []
+    async for out in async_llm.generate(prompt, params, request_id):
+        outputs.append(out)
+        text += out.outputs[0].text
+        token_ids += out.outputs[0].token_ids
+    return text, token_ids, outputs
+
+
+def test_concurrent_requests_match_offline_greedy(async_llm, offline):
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    expected = offline.generate(PROMPTS, params, use_tqdm=False)
+
+    async def main():
+        return await asyncio.gather(*(collect(async_llm, p, params) for p in PROMPTS))
+
+    results = asyncio.run(main())
+    for (text, token_ids, outputs), want in zip(results, expected):
+        assert token_ids == want.outputs[0].token_ids
+        assert text == want.outputs[0].text
+        assert outputs[-1].finished and not any(o.finished for o in outputs[:-1])
+        assert outputs[-1].outputs[0].finish_reason == "length"
+        assert len(outputs) > 1  # streamed as deltas, not one final output
+
+
+def test_n_children_come_back_in_one_stream(async_llm):
+    params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=5, ignore_eos=True)
+    _, _, outputs = asyncio.run(collect(async_llm, "Hello", params))
+    per_child = {i: [] for i in range(3)}
+    for out in outputs:
+        for c in out.outputs:
+            per_child[c.index] += c.token_ids
+    assert all(len(ids) == 5 for ids in per_child.values())
+
+
+def test_breaking_out_early_aborts_and_frees_blocks(async_llm):
+    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+
+    async def main():
+        gen = async_llm.generate("The quick brown fox", params)
+        async for out in gen:
+            assert not out.finished
+            break
+        await gen.aclose()
+
+    asyncio.run(main())
+    wait_idle(async_llm, timeout=1.0)
+
+
+def test_cancelled_consumer_aborts(async_llm):
+    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+
+    async def main():
+        started = asyncio.Event()
+
+        async def consume():
+            async for _ in async_llm.generate("Hello", params):
+                started.set()
+
+        task = asyncio.create_task(consume())
+        await started.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main())
+    wait_idle(async_llm, timeout=1.0)
+
+
+def test_rejected_request_raises_value_error(async_llm):
+    with pytest.raises(ValueError, match="max_model_len"):
+        asyncio.run(collect(async_llm, list(range(5, 305)), SamplingParams(max_tokens=1)))
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-1)
+    wait_idle(async_llm)
+
+
+def test_stats_snapshot_and_stat_loggers(async_llm):
+    seen = []
+    async_llm.stat_loggers.append(lambda stats, it: seen.append((stats, it)))
+    try:
+        asyncio.run(collect(async_llm, "Hello", SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)))
+    finally:
+        async_llm.stat_loggers.pop()
+    assert sum(it.num_generation_tokens for _, it in seen) == 4
+    assert sum(it.num_prompt_tokens for _, it in seen) > 0
+    [finished] = [f for _, it in seen for f in it.finished]
+    assert finished.finish_reason == "length" and finished.num_generation_tokens == 4
+    assert finished.queue_time is not None and 0 <= finished.queue_time <= finished.e2e_latency
+    assert len([t for _, it in seen for t in it.time_to_first_tokens]) == 1
+    assert len([t for _, it in seen for t in it.inter_token_latencies]) == 3
+    assert async_llm.stats.num_running == 0 and async_llm.stats.kv_cache_usage == 0.0
+
+
+def test_idle_engine_thread_sleeps(async_llm):
+    import psutil
+
+    process = psutil.Process()
+    time.sleep(0.05)
+    before = process.cpu_times()
+    time.sleep(0.5)
+    after = process.cpu_times()
+    assert (after.user + after.system) - (before.user + before.system) < 0.1
+
+
+def test_queue_limit_rejects_without_losing_admitted_requests(tiny_llama_dir):
+    async_llm = AsyncLLM.from_kwargs(model=tiny_llama_dir, max_num_seqs=1, max_num_queued_requests=1, **ENGINE)
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+
+    async def main():
+        first = async_llm.generate("Hello", params)
+        await first.__anext__()  # running now (max_num_seqs=1)
+        second = asyncio.create_task(collect(async_llm, "World", params))
+        while async_llm.stats.num_waiting < 1:
+            await asyncio.sleep(0.005)
+        with pytest.raises(QueueFullError):
+            await collect(async_llm, "Third", params)
+        rest = [out async for out in first]
+        return rest, await second
+
+    try:
+        rest, (_, second_ids, _) = asyncio.run(main())
+        assert rest[-1].finished and len(second_ids) == 30
+        wait_idle(async_llm)
+    finally:
+        async_llm.shutdown()
+
+
+def test_shutdown_ends_in_flight_requests_and_refuses_new_ones(tiny_llama_dir):
+    async_llm = AsyncLLM.from_kwargs(model=tiny_llama_dir, **ENGINE)
+    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+
+    async def main():
+        gen = async_llm.generate("Hello", params)
+        await gen.__anext__()
+        async_llm.shutdown()
+        with pytest.raises(EngineDeadError):
+            async for _ in gen:
+                pass
+
+    asyncio.run(main())
+    assert not async_llm.is_alive()
+    assert_no_leaked_blocks(async_llm.engine)
+    with pytest.raises(EngineDeadError):
+        asyncio.run(collect(async_llm, "Hello", params))
