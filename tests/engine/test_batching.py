@@ -122,3 +122,24 @@ def test_outputs_come_back_in_input_order_with_timings(llm):
         m = o.metrics
         assert m.arrival_time <= m.first_token_time <= m.finished_time
         assert o.outputs[0].finish_reason == "length"
+
+
+def test_aborting_some_requests_mid_batch_leaves_the_others_unchanged(llm):
+    batch = prompts(10, seed=17, lo=5, hi=60)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    expected = token_ids(llm.generate(batch, params, use_tqdm=False))
+    engine = llm.engine
+    for i, p in enumerate(batch):
+        engine.add_request(f"mix-{i}", p, params)
+    finished = {}
+    for step in range(200):
+        if step == 4:
+            engine.abort_request([f"mix-{i}" for i in range(0, 10, 2)])
+        for out in engine.step():
+            finished[out.request_id] = out.outputs[0].token_ids
+        if not engine.has_unfinished_requests():
+            break
+    assert sorted(finished) == sorted(f"mix-{i}" for i in range(1, 10, 2))
+    for i in range(1, 10, 2):
+        assert finished[f"mix-{i}"] == expected[i]
+    assert_no_leaked_blocks(engine)
