@@ -88,6 +88,14 @@ class LLMEngine:
             return None, self._check_token_ids(prompt)
         raise ValueError(f"unsupported prompt type {type(prompt).__name__}: expected str, dict or list of ids")
 
+    def _check_token_params(self, params: SamplingParams) -> None:
+        """Token ids inside the params must exist in the vocabulary (the sampler indexes logits with them)."""
+        vocab = self.loaded.hf_config.vocab_size
+        for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or {})):
+            bad = [t for t in ids if t >= vocab]
+            if bad:
+                raise ValueError(f"{name} has token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+
     def _check_token_ids(self, ids) -> list[int]:
         vocab = self.loaded.hf_config.vocab_size
         ids = list(ids)
@@ -103,6 +111,7 @@ class LLMEngine:
         Raises ValueError (and queues nothing) when the prompt can never fit.
         """
         params = params or SamplingParams()
+        self._check_token_params(params)
         if request_id in self.output_processor.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, token_ids = self.tokenize_prompt(prompt)

@@ -83,6 +83,13 @@ def test_too_long_prompt_is_rejected_and_nothing_is_queued(tiny_llama_dir):
     assert_no_leaked_blocks(llm.engine)
 
 
+def test_token_ids_in_params_outside_the_vocabulary_are_rejected(llm):
+    with pytest.raises(ValueError, match="stop_token_ids has token ids outside the vocabulary"):
+        llm.generate({"prompt_token_ids": [5, 6]}, SamplingParams(stop_token_ids=[10**6]), use_tqdm=False)
+    with pytest.raises(ValueError, match="logit_bias has token ids outside the vocabulary"):
+        llm.generate({"prompt_token_ids": [5, 6]}, SamplingParams(logit_bias={10**6: 1.0}), use_tqdm=False)
+
+
 def test_bad_prompt_token_ids_are_rejected(llm):
     with pytest.raises(ValueError, match="token ids"):
         llm.generate({"prompt_token_ids": [1, 10**9]}, GREEDY, use_tqdm=False)
