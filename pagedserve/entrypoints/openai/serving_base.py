@@ -1,0 +1,208 @@
+"""What completions and chat share: the server's limits, model names, prompt checks, SamplingParams, and the
+async plumbing (several engine streams merged into one, a client disconnect cancelling the work)."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Awaitable, Optional, TypeVar
+
+from starlette.requests import Request as HTTPRequest
+
+from pagedserve.engine.async_llm import AsyncLLM, EngineDeadError, QueueFullError
+from pagedserve.entrypoints.openai.errors import OpenAIError, from_value_error
+from pagedserve.outputs import RequestOutput
+from pagedserve.sampling_params import SamplingParams
+
+T = TypeVar("T")
+
+MAX_N = 128
+MAX_STOP = 16
+MAX_STOP_LENGTH = 1024
+
+
+@dataclass
+class ServerConfig:
+    served_model_names: list[str]
+    max_logprobs: int = 20
+    max_body_bytes: int = 16 << 20
+    api_keys: list[str] = field(default_factory=list)
+    log_requests: bool = True
+
+
+class ClientDisconnected(Exception):
+    pass
+
+
+def sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+class ServingBase:
+    def __init__(self, async_llm: AsyncLLM, config: ServerConfig) -> None:
+        self.async_llm = async_llm
+        self.config = config
+        # The HTTP side tokenizes with its own copy: the engine thread's detokenizers use the original.
+        self.tokenizer = copy.deepcopy(async_llm.tokenizer) if async_llm.tokenizer is not None else None
+        self.max_model_len = async_llm.max_model_len
+        self.vocab_size = async_llm.engine.loaded.hf_config.vocab_size
+
+    # -- checks ------------------------------------------------------------------------------------------------
+
+    def model_name(self, requested: Optional[str]) -> str:
+        if requested is None:
+            return self.config.served_model_names[0]
+        if requested not in self.config.served_model_names:
+            raise OpenAIError(f"The model `{requested}` does not exist. Served: "
+                              f"{', '.join(self.config.served_model_names)}", 404, param="model",
+                              code="model_not_found")
+        return requested
+
+    def need_tokenizer(self) -> None:
+        if self.tokenizer is None:
+            raise OpenAIError("this server was started without a tokenizer: only token-id prompts work", 400)
+
+    def check_token_ids(self, ids: list[int], param: str = "prompt") -> None:
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise OpenAIError(f"token ids must be in [0, {self.vocab_size}); got {bad[:5]}", 400, param=param)
+
+    def max_tokens_for(self, num_prompt_tokens: int, max_tokens: Optional[int], param: str = "max_tokens") -> int:
+        """The effective max_tokens (omitted = the rest of the context); 400 when it cannot fit."""
+        if num_prompt_tokens == 0:
+            raise OpenAIError("the prompt is empty", 400, param="prompt")
+        if max_tokens is not None and max_tokens < 1:
+            raise OpenAIError(f"{param} must be at least 1, got {max_tokens}", 400, param=param)
+        wanted = max_tokens if max_tokens is not None else 1
+        if num_prompt_tokens + wanted > self.max_model_len:
+            raise OpenAIError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{num_prompt_tokens + wanted} tokens ({num_prompt_tokens} in the prompt, {wanted} for the "
+                f"completion). Please reduce the length of the prompt or {param}.", 400, param=param)
+        return max_tokens if max_tokens is not None else self.max_model_len - num_prompt_tokens
+
+    def check_common(self, body, logprobs: Optional[int], logprobs_param: str) -> None:
+        if not 1 <= body.n <= MAX_N:
+            raise OpenAIError(f"n must be between 1 and {MAX_N}, got {body.n}", 400, param="n")
+        if logprobs is not None and not 0 <= logprobs <= self.config.max_logprobs:
+            raise OpenAIError(f"{logprobs_param} must be between 0 and {self.config.max_logprobs} "
+                              f"(--max-logprobs), got {logprobs}", 400, param=logprobs_param)
+        stops = [body.stop] if isinstance(body.stop, str) else (body.stop or [])
+        if len(stops) > MAX_STOP or any(len(s) > MAX_STOP_LENGTH for s in stops):
+            raise OpenAIError(f"stop takes at most {MAX_STOP} strings of at most {MAX_STOP_LENGTH} characters",
+                              400, param="stop")
+
+    def sampling_params(self, body, max_tokens: int, logprobs: Optional[int],
+                        rename: Optional[dict[str, str]] = None) -> SamplingParams:
+        extras = {k: getattr(body, k) for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+                  if getattr(body, k) is not None}
+        try:
+            return SamplingParams(
+                n=body.n, seed=body.seed, stop=body.stop, stop_token_ids=body.stop_token_ids, max_tokens=max_tokens,
+                presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+                logit_bias=body.logit_bias, min_tokens=body.min_tokens, ignore_eos=body.ignore_eos,
+                skip_special_tokens=body.skip_special_tokens, logprobs=logprobs,
+                include_stop_str_in_output=body.include_stop_str_in_output, **extras)
+        except ValueError as e:
+            raise from_value_error(e, rename) from None
+
+    # -- running -----------------------------------------------------------------------------------------------
+
+    def new_id(self, prefix: str) -> str:
+        return f"{prefix}-{uuid.uuid4().hex}"
+
+    @staticmethod
+    def created() -> int:
+        return int(time.time())
+
+    def streams(self, prompts: list[tuple[Optional[str], list[int]]], params: list[SamplingParams],
+                request_id: str) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """One engine request per prompt (with its params), merged into one stream of (prompt index, delta)."""
+        gens = [self.async_llm.generate({"prompt": text, "prompt_token_ids": ids}, p,
+                                        request_id if len(prompts) == 1 else f"{request_id}-{i}")
+                for i, ((text, ids), p) in enumerate(zip(prompts, params))]
+        return merge_streams(gens)
+
+
+async def merge_streams(gens: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
+    """(index, item) from several async iterators as items arrive. Closing this closes (aborts) them all."""
+    if len(gens) == 1:
+        try:
+            async for item in gens[0]:
+                yield 0, item
+        finally:
+            await gens[0].aclose()
+        return
+    results: asyncio.Queue = asyncio.Queue()
+    _END = object()
+
+    async def pump(i: int, gen) -> None:
+        try:
+            async for item in gen:
+                await results.put((i, item))
+            await results.put((i, _END))
+        except Exception as e:  # noqa: BLE001 - handed to the consumer
+            await results.put((i, e))
+        finally:
+            await gen.aclose()
+
+    tasks = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(gens)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await results.get()
+            if item is _END:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def until_disconnected(request: HTTPRequest, work: Awaitable[T]) -> T:
+    """Run `work`; if the client goes away first, cancel it (aborting its requests) and raise
+    ClientDisconnected."""
+    task = asyncio.ensure_future(work)
+
+    async def watch() -> None:
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    if task in done and not task.cancelled():
+        return task.result()
+    raise ClientDisconnected()
+
+
+def engine_error(e: Exception, param: Optional[str] = "prompt") -> OpenAIError:
+    """Errors from AsyncLLM.generate as HTTP errors."""
+    if isinstance(e, OpenAIError):
+        return e
+    if isinstance(e, QueueFullError):
+        return OpenAIError(f"The server is busy: {e}. Retry later.", 429, code="queue_full",
+                           headers={"Retry-After": "1"})
+    if isinstance(e, EngineDeadError):
+        return OpenAIError(str(e), 503, code="engine_dead")
+    if isinstance(e, ValueError):
+        return from_value_error(e) if str(e).split(" ", 1)[0] != "request" else OpenAIError(str(e), 400, param=param)
+    return OpenAIError(f"internal error: {e!r}", 500)

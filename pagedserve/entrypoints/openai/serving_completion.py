@@ -1,0 +1,170 @@
+"""POST /v1/completions: prompts (text, token ids, or lists of either) -> text_completion(s)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Optional
+
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.requests import Request as HTTPRequest
+
+from pagedserve.entrypoints.openai.errors import OpenAIError
+from pagedserve.entrypoints.openai.protocol import CompletionRequest
+from pagedserve.entrypoints.openai.serving_base import (SSE_DONE, ServingBase, engine_error, sse,
+                                                        until_disconnected)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Choice:
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
+    finish_reason: Optional[str] = None
+    stop_reason: object = None
+    text_offset: int = 0
+    started: bool = False
+
+
+class ServingCompletion(ServingBase):
+    async def create(self, body: CompletionRequest, http: HTTPRequest):
+        model = self.model_name(body.model)
+        if body.suffix:
+            raise OpenAIError("suffix is not supported", 400, param="suffix")
+        if body.echo and body.logprobs is not None:
+            raise OpenAIError("echo with logprobs is not supported (this server returns no prompt logprobs)", 400,
+                              param="echo")
+        self.check_common(body, body.logprobs, "logprobs")
+        prompts = self._prompts(body.prompt)
+        params = [self.sampling_params(body, self.max_tokens_for(len(ids), body.max_tokens), body.logprobs)
+                  for _, ids in prompts]
+        request_id = self.new_id("cmpl")
+        if self.config.log_requests:
+            logger.info("%s: %d prompt(s), %s prompt tokens, %s", request_id, len(prompts),
+                        [len(ids) for _, ids in prompts], params[0])
+        stream = self.streams(prompts, params, request_id)
+        n = body.n
+        choices = [_Choice() for _ in range(len(prompts) * n)]
+        head = {"id": request_id, "object": "text_completion", "created": self.created(), "model": model}
+        usage = lambda: {"prompt_tokens": sum(len(ids) for _, ids in prompts),  # noqa: E731
+                         "completion_tokens": sum(len(c.token_ids) for c in choices),
+                         "total_tokens": sum(len(ids) for _, ids in prompts) + sum(len(c.token_ids) for c in choices)}
+        echo = [(text if text is not None else self._decode(ids)) if body.echo else "" for text, ids in prompts]
+
+        if not body.stream:
+            async def run() -> None:
+                try:
+                    async for i, out in stream:
+                        for c in out.outputs:
+                            choice = choices[i * n + c.index]
+                            choice.text += c.text
+                            choice.token_ids += c.token_ids
+                            choice.logprobs += c.logprobs or []
+                            if c.finish_reason is not None:
+                                choice.finish_reason, choice.stop_reason = c.finish_reason, c.stop_reason
+                except Exception as e:  # noqa: BLE001
+                    raise engine_error(e) from e
+                finally:
+                    await stream.aclose()
+
+            await until_disconnected(http, run())
+            out_choices = []
+            for index, choice in enumerate(choices):
+                offset = len(echo[index // n])
+                out_choices.append({
+                    "index": index, "text": echo[index // n] + choice.text,
+                    "logprobs": self._logprobs(choice.token_ids, choice.logprobs, offset, body.logprobs)
+                    if body.logprobs is not None else None,
+                    "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason})
+            return JSONResponse({**head, "choices": out_choices, "usage": usage()})
+
+        try:
+            first = await until_disconnected(http, anext(stream))
+        except StopAsyncIteration:
+            first = None
+        except Exception as e:
+            await stream.aclose()
+            raise engine_error(e) from e
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+        async def events():
+            try:
+                item = first
+                while item is not None:
+                    i, out = item
+                    for c in out.outputs:
+                        index = i * n + c.index
+                        choice = choices[index]
+                        if choice.finish_reason is not None or (not c.text and not c.token_ids and
+                                                                 c.finish_reason is None):
+                            continue
+                        text = c.text
+                        if not choice.started:
+                            choice.started, text = True, echo[i] + text
+                            choice.text_offset = len(echo[i])
+                        choice.token_ids += c.token_ids
+                        logprobs = None
+                        if body.logprobs is not None:
+                            logprobs = self._logprobs(c.token_ids, c.logprobs or [], choice.text_offset, body.logprobs)
+                            choice.text_offset += sum(len(t) for t in logprobs["tokens"])
+                        if c.finish_reason is not None:
+                            choice.finish_reason = c.finish_reason
+                        elif not text and logprobs is None:
+                            continue  # tokens whose text is held back (a partial character or stop string)
+                        chunk = {**head, "choices": [{"index": index, "text": text, "logprobs": logprobs,
+                                                      "finish_reason": c.finish_reason,
+                                                      "stop_reason": c.stop_reason}]}
+                        if include_usage:
+                            chunk["usage"] = None
+                        yield sse(chunk)
+                    try:
+                        item = await anext(stream)
+                    except StopAsyncIteration:
+                        item = None
+                if include_usage:
+                    yield sse({**head, "choices": [], "usage": usage()})
+            except Exception as e:  # noqa: BLE001 - the status is sent already: report in-band
+                err = engine_error(e)
+                yield sse({"error": {"message": err.message, "type": "server_error", "param": err.param,
+                                     "code": err.code}})
+            finally:
+                await stream.aclose()
+            yield SSE_DONE
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    def _prompts(self, prompt) -> list[tuple[Optional[str], list[int]]]:
+        if isinstance(prompt, str):
+            prompt = [prompt]
+        elif prompt and isinstance(prompt[0], int):
+            prompt = [prompt]
+        if not prompt:
+            raise OpenAIError("the prompt is empty", 400, param="prompt")
+        out = []
+        for p in prompt:
+            if isinstance(p, str):
+                self.need_tokenizer()
+                out.append((p, self.tokenizer.encode(p)))
+            else:
+                self.check_token_ids(p)
+                out.append((None, list(p)))
+        return out
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids) if self.tokenizer is not None else ""
+
+    def _logprobs(self, token_ids: list[int], positions: list, offset: int, num: int) -> dict:
+        tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
+        for token_id, position in zip(token_ids, positions):
+            sampled = position[token_id]
+            token = sampled.decoded_token if sampled.decoded_token is not None else self._decode([token_id])
+            tokens.append(token)
+            token_logprobs.append(sampled.logprob)
+            top_logprobs.append({(p.decoded_token or ""): p.logprob for tid, p in position.items()
+                                 if tid == token_id or (p.rank is not None and p.rank <= num)})
+            offsets.append(offset)
+            offset += len(token)
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
+                "text_offset": offsets}
