@@ -154,8 +154,9 @@ def jsonl_dataset(path: str, num_prompts: int, output_len: int, tokenizer) -> li
                 break
     if not requests:
         raise ValueError(f"{path}: no prompts")
+    lines = len(requests)
     while len(requests) < num_prompts:  # fewer lines than prompts: go round again
-        requests.append(requests[len(requests) % len(requests)])
+        requests.append(requests[len(requests) % lines])
     return requests
 
 
