@@ -45,6 +45,8 @@ class PrometheusStatLogger:
         self._request_success = Counter("pagedserve:request_success", "Requests finished, by finish reason.",
                                         ["model_name", "finished_reason"], registry=r)
         self.model_name = name
+        for reason in ("stop", "length"):  # present from the start, at 0
+            self._request_success.labels(name, reason)
         self.time_to_first_token = histogram("time_to_first_token_seconds", "Arrival to first token.",
                                              _LATENCY_BUCKETS)
         self.inter_token_latency = histogram("inter_token_latency_seconds", "Time between a request's outputs.",
