@@ -136,6 +136,7 @@ async def send_request(session, url: str, payload: dict, prompt_len: Optional[in
 
     r = RequestResult(prompt_len=prompt_len or 0)
     chunks = 0
+    first_choice = None
     start = time.perf_counter()
     r.start_time = start
     last = start
@@ -158,6 +159,8 @@ async def send_request(session, url: str, payload: dict, prompt_len: Optional[in
                     err = data["error"]
                     r.error = f"stream error: {err.get('message', err) if isinstance(err, dict) else err}"
                     return r
+                if data.get("choices") and first_choice is None:
+                    first_choice = now
                 text = _chunk_text(data)
                 if text:
                     if chunks == 0:
@@ -175,10 +178,14 @@ async def send_request(session, url: str, payload: dict, prompt_len: Optional[in
         r.error = f"{type(e).__name__}: {e}"[:300]
         r.latency = time.perf_counter() - start
         return r
-    if chunks == 0:
-        r.error = "the stream ended without any generated text"
-        return r
     usage = r.usage or {}
+    if chunks == 0:
+        # Generated tokens may decode to no text (special tokens, held-back partial characters): time the
+        # first chunk instead; without usage there is no telling that anything was generated.
+        if first_choice is None or not usage.get("completion_tokens"):
+            r.error = "the stream ended without any generated text"
+            return r
+        r.ttft = first_choice - start
     if usage.get("completion_tokens") is not None:
         r.output_tokens = int(usage["completion_tokens"])
     elif tokenizer is not None:

@@ -2,7 +2,8 @@
 
 Per request (all times from the client's clock, `time.perf_counter`):
 
-* TTFT: from sending the request to receiving the first chunk that carries generated text;
+* TTFT: from sending the request to receiving the first chunk that carries generated text (when all of a
+  request's tokens decode to no text, e.g. special tokens, but usage counts them: its first chunk);
 * ITL: the gaps between consecutive chunks with text (a chunk holding several tokens is one gap, as in vLLM);
 * E2E latency: from sending to the end of the stream;
 * TPOT: (E2E - TTFT) / (output tokens - 1), only for requests with more than one output token;

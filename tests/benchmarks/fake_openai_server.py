@@ -19,7 +19,8 @@ from aiohttp import web
 
 class FakeOpenAIServer:
     def __init__(self, ttft_s: float = 0.05, itl_s: float = 0.02, slow_extra_s: float = 0.15,
-                 send_usage: bool = True, metrics_prefix: str = "pagedserve:") -> None:
+                 send_usage: bool = True, metrics_prefix: str = "pagedserve:", text: str = "tok ") -> None:
+        self.text = text
         self.ttft_s, self.itl_s, self.slow_extra_s = ttft_s, itl_s, slow_extra_s
         self.send_usage = send_usage
         self.metrics_prefix = metrics_prefix
@@ -67,8 +68,8 @@ class FakeOpenAIServer:
         for i in range(n):
             if i:
                 await asyncio.sleep(self.itl_s)
-            choice = ({"index": 0, "delta": {"content": "tok "}, "finish_reason": None} if chat
-                      else {"index": 0, "text": "tok ", "finish_reason": None})
+            choice = ({"index": 0, "delta": {"content": self.text}, "finish_reason": None} if chat
+                      else {"index": 0, "text": self.text, "finish_reason": None})
             times.append(time.perf_counter())
             await resp.write(f"data: {json.dumps({'id': 'x', 'choices': [choice]})}\n\n".encode())
         if self.send_usage:

@@ -182,6 +182,20 @@ def test_chat_endpoint_without_usage_counts_chunks_and_saves_vllm_keys_and_plots
         assert (tmp_path / "plots" / png).read_bytes()[:4] == b"\x89PNG"
 
 
+def test_tokens_without_text_count_when_usage_says_so(tmp_path):
+    """Tokens that decode to nothing (special tokens skipped) still succeed; TTFT is the first chunk's."""
+    for usage, completed in ((True, 2), (False, 0)):
+        with FakeOpenAIServer(ttft_s=0.03, itl_s=0.01, text="", send_usage=usage) as server:
+            result = serve.main(_args("--base-url", server.url, "--dataset-name", "jsonl", "--dataset-path",
+                                      _jsonl(tmp_path, ["x0", "x1"]), "--num-prompts", "2", "--jsonl-output-len",
+                                      "3", "--disable-tqdm"))
+        assert result["completed"] == completed
+        if usage:
+            assert result["output_lens"] == [3, 3] and _near(result["mean_ttft_ms"], 30)
+        else:
+            assert result["errors"] == ["the stream ended without any generated text"] * 2
+
+
 def test_bad_flags_are_clear_errors(capsys):
     assert cli(["bench", "serve", "--goodput", "latency:5", "--disable-tqdm"]) == 2
     assert "--goodput 'latency:5'" in capsys.readouterr().err

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -75,3 +76,20 @@ def test_chat_text_prompts(live_server, tiny_llama_dir):
                               "--num-prompts", "4", "--ignore-eos", "--request-rate", "50", "--disable-tqdm"))
     assert (result["completed"], result["failed"]) == (4, 0), result["errors"]
     assert result["output_lens"] == [4] * 4
+
+
+def test_compare_serving_script_smoke(tiny_llama_dir, tmp_path):
+    """benchmarks/compare_serving.py end to end on a tiny load (the real run is 256 x 128 -> 128)."""
+    script = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "compare_serving.py")
+    out = tmp_path / "results"
+    proc = subprocess.run([sys.executable, script, "--model", tiny_llama_dir, "--dtype", "float32",
+                           "--num-prompts", "4", "--input-len", "8", "--output-len", "3", "--max-concurrency", "2",
+                           "--num-warmups", "1", "--server-arg=--kv-cache-memory-bytes=8388608",
+                           "--server-arg=--max-model-len=256", "--output-dir", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    table = (out / "table.md").read_text()
+    assert "| all 4 at once | 4 |" in table and "| max concurrency 2 | 4 |" in table
+    for name in ("all_at_once.json", "concurrency2.json"):
+        saved = json.loads((out / name).read_text())
+        assert saved["completed"] == 4 and saved["output_lens"] == [3] * 4
