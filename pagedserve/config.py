@@ -38,6 +38,9 @@ class ModelConfig:
 class CacheConfig:
     block_size: int = 16
     """Tokens per KV-cache block."""
+    enable_prefix_caching: bool = True
+    """Reuse the KV of full blocks whose tokens (and everything before them) match a finished or running
+    request's: shared prompt prefixes are computed once."""
     kv_cache_memory_bytes: Optional[int] = None
     """Bytes of memory for the KV cache. Default: a share of free RAM on CPU (25%, at most 4 GiB) or of
     free device memory on CUDA (80%)."""

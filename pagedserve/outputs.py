@@ -51,3 +51,5 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(0.0))
+    num_cached_tokens: int = 0
+    """Prompt tokens whose KV came from the prefix cache instead of being computed."""

@@ -50,6 +50,7 @@ class Request:
         sampling_params: SamplingParams,
         eos_token_ids: frozenset[int] = frozenset(),
         arrival_time: Optional[float] = None,
+        cache_salt: Optional[str] = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -62,6 +63,9 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: Optional[int | str] = None
         self.num_preemptions = 0
+        self.cache_salt = cache_salt
+        self.num_cached_tokens = 0
+        """Prompt tokens found in the prefix cache when the request was first scheduled."""
         self.first_scheduled_time: Optional[float] = None
         """When the scheduler first moved it from waiting to running (for queue-time metrics)."""
         # Stop checks need these token sets often; build them once.

@@ -64,17 +64,24 @@ class Scheduler:
         while (self.waiting and budget > 0 and not out.preempted_request_ids
                and len(self.running) < self.config.max_num_seqs):
             request = self.waiting[0]
-            num_new = request.num_tokens - request.num_computed_tokens
+            # Waiting requests have no KV (new, or preempted); their leading blocks may be in the cache.
+            computed_blocks = self.kv.get_computed_blocks(request)
+            num_cached = len(computed_blocks) * self.kv.block_size
+            num_new = request.num_tokens - num_cached
             if num_new > budget:
                 if not self.config.enable_chunked_prefill:
                     break
                 num_new = budget
-            if not self.kv.allocate_slots(request, num_new):
+            request.num_computed_tokens = num_cached
+            if not self.kv.allocate_slots(request, num_new, computed_blocks):
+                request.num_computed_tokens = 0
                 break
+            self.kv.record_prefix_lookup(request.num_tokens, num_cached)
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.time()
+                request.num_cached_tokens = num_cached
             self.running.append(request)
             out.scheduled.append(ScheduledRequest(request, num_new, self.kv.get_block_ids(request.request_id)))
             budget -= num_new
@@ -93,7 +100,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         # Preemption by recompute: drop the KV, keep the tokens; it resumes from the front of the queue.
-        self.kv.free(request)
+        self.kv.free(request, keep_hashes=True)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -109,6 +116,7 @@ class Scheduler:
             if request.is_finished:  # aborted while the step ran
                 continue
             request.num_computed_tokens += item.num_tokens
+            self.kv.cache_blocks(request)
             token_id = sampled.get(request.request_id)
             if token_id is None:  # a prefill chunk that does not reach the end of the prompt yet
                 continue

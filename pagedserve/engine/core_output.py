@@ -15,3 +15,5 @@ class EngineCoreOutput:
     logprobs: Optional[list[tuple[int, float, int]]] = None
     """(token_id, logprob, rank): the sampled token first, then the top-N."""
     num_preemptions: int = 0
+    num_cached_tokens: int = 0
+    """Prompt tokens whose KV came from the prefix cache."""

@@ -33,7 +33,8 @@ class LLMEngine:
         self.tokenizer = self.loaded.tokenizer
         self.runner = ModelRunner(self.loaded, config.cache_config)
         block_size = config.cache_config.block_size
-        self.kv_cache_manager = KVCacheManager(self.runner.num_blocks, block_size)
+        self.kv_cache_manager = KVCacheManager(self.runner.num_blocks, block_size,
+                                               config.cache_config.enable_prefix_caching)
         max_model_len = self._fit_max_model_len(self.runner.num_blocks * block_size)
         scheduler_config = dataclasses.replace(config.scheduler_config, max_model_len=max_model_len)
         if not scheduler_config.enable_chunked_prefill and scheduler_config.max_num_batched_tokens < max_model_len:
@@ -105,11 +106,18 @@ class LLMEngine:
         return ids
 
     def add_request(self, request_id: str, prompt: PromptType, params: Optional[SamplingParams] = None,
-                    stream: bool = False, arrival_time: Optional[float] = None) -> None:
+                    stream: bool = False, arrival_time: Optional[float] = None,
+                    cache_salt: Optional[str] = None) -> None:
         """Queue a prompt. n > 1 becomes n child requests whose outputs come back together.
 
+        `cache_salt` (vLLM's name; also read from a prompt dict's "cache_salt") isolates prefix caching:
+        requests only share cached blocks with requests of the same salt.
         Raises ValueError (and queues nothing) when the prompt can never fit.
         """
+        if cache_salt is None and isinstance(prompt, dict):
+            cache_salt = prompt.get("cache_salt")
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise ValueError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
         params = params or SamplingParams()
         self._check_token_params(params)
         if request_id in self.output_processor.requests:
@@ -118,7 +126,7 @@ class LLMEngine:
         arrival_time = time.time() if arrival_time is None else arrival_time
         child_ids = [request_id] if params.n == 1 else [f"{i}_{request_id}" for i in range(params.n)]
         children = [Request(child_id, token_ids, params if params.n == 1 else params.child(i),
-                            self.loaded.eos_token_ids, arrival_time=arrival_time)
+                            self.loaded.eos_token_ids, arrival_time=arrival_time, cache_salt=cache_salt)
                     for i, child_id in enumerate(child_ids)]
         added = []
         try:
@@ -149,7 +157,7 @@ class LLMEngine:
         updated = self.scheduler.update_from_output(scheduler_output, runner_output.sampled_token_ids)
         core_outputs = [
             EngineCoreOutput(r.request_id, r.all_token_ids[-1], r.status.finish_reason, r.stop_reason,
-                             runner_output.logprobs.get(r.request_id), r.num_preemptions)
+                             runner_output.logprobs.get(r.request_id), r.num_preemptions, r.num_cached_tokens)
             for r in updated
         ]
         outputs, stopped = self.output_processor.process(core_outputs)

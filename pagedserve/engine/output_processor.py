@@ -37,6 +37,7 @@ class RequestState:
     stream: bool
     children: dict[str, _Child]
     metrics: RequestMetrics
+    num_cached_tokens: int = 0
 
     @property
     def finished(self) -> bool:
@@ -89,6 +90,7 @@ class OutputProcessor:
             if state.metrics.first_token_time is None:
                 state.metrics.first_token_time = now
             state.metrics.num_preemptions = max(state.metrics.num_preemptions, out.num_preemptions)
+            state.num_cached_tokens = max(state.num_cached_tokens, out.num_cached_tokens)
             child.token_ids.append(out.new_token_id)
             if out.logprobs is not None and child.logprobs is not None:
                 self._add_logprobs(child, out.logprobs)
@@ -135,7 +137,7 @@ class OutputProcessor:
             completions.append(CompletionOutput(child.index, text, token_ids, child.cumulative_logprob, logprobs,
                                                 child.finish_reason, child.stop_reason))
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, completions, state.finished,
-                             state.metrics)
+                             state.metrics, state.num_cached_tokens)
 
     def _final_text(self, state: RequestState, child: _Child) -> str:
         if self.tokenizer is None:

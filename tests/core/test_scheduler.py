@@ -9,9 +9,9 @@ from pagedserve.sampling_params import SamplingParams
 EOS = 0
 
 
-def make_scheduler(num_blocks=100, block_size=4, **kw) -> Scheduler:
+def make_scheduler(num_blocks=100, block_size=4, prefix_caching=False, **kw) -> Scheduler:
     config = SchedulerConfig(**{"max_num_seqs": 8, "max_num_batched_tokens": 32, "max_model_len": 64, **kw})
-    return Scheduler(config, KVCacheManager(num_blocks, block_size))
+    return Scheduler(config, KVCacheManager(num_blocks, block_size, prefix_caching))
 
 
 def make_request(request_id, num_prompt, max_tokens=8, **params) -> Request:
