@@ -193,9 +193,9 @@ class AsyncLLM:
         self._targets.clear()
 
     def _publish(self, iteration: IterationStats) -> None:
-        scheduler = self.engine.scheduler
-        self.stats = EngineStats(scheduler.num_running, scheduler.num_waiting, self.engine.kv_cache_manager.usage(),
-                                 scheduler.num_preemptions_total)
+        scheduler, kv = self.engine.scheduler, self.engine.kv_cache_manager
+        self.stats = EngineStats(scheduler.num_running, scheduler.num_waiting, kv.usage(),
+                                 scheduler.num_preemptions_total, kv.prefix_cache_queries, kv.prefix_cache_hits)
         for stat_logger in self.stat_loggers:
             try:
                 stat_logger(self.stats, iteration)

@@ -42,6 +42,8 @@ class PrometheusStatLogger:
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests that started generating.")
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
         self.num_preemptions = counter("num_preemptions", "Requests preempted (by recompute).")
+        self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self._request_success = Counter("pagedserve:request_success", "Requests finished, by finish reason.",
                                         ["model_name", "finished_reason"], registry=r)
         self.model_name = name
@@ -62,6 +64,7 @@ class PrometheusStatLogger:
         self.http_requests = Counter("http_requests", "HTTP requests by route, method and status.",
                                      ["handler", "method", "status"], registry=r)
         self._preemptions_seen = 0
+        self._prefix_seen = (0, 0)
 
     def __call__(self, stats: EngineStats, iteration: IterationStats) -> None:
         self.num_requests_running.set(stats.num_running)
@@ -70,6 +73,11 @@ class PrometheusStatLogger:
         if stats.num_preemptions_total > self._preemptions_seen:
             self.num_preemptions.inc(stats.num_preemptions_total - self._preemptions_seen)
             self._preemptions_seen = stats.num_preemptions_total
+        queries, hits = stats.prefix_cache_queries_total, stats.prefix_cache_hits_total
+        if (queries, hits) > self._prefix_seen:
+            self.prefix_cache_queries.inc(queries - self._prefix_seen[0])
+            self.prefix_cache_hits.inc(hits - self._prefix_seen[1])
+            self._prefix_seen = (queries, hits)
         if iteration.num_prompt_tokens:
             self.prompt_tokens.inc(iteration.num_prompt_tokens)
         if iteration.num_generation_tokens:

@@ -21,6 +21,8 @@ class EngineStats:
     num_waiting: int = 0
     kv_cache_usage: float = 0.0
     num_preemptions_total: int = 0
+    prefix_cache_queries_total: int = 0
+    prefix_cache_hits_total: int = 0
 
 
 @dataclass(frozen=True)

@@ -44,6 +44,7 @@ class _SamplingFields(_Body):
     stop_token_ids: Optional[list[int]] = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    cache_salt: Optional[str] = None
 
 
 class CompletionRequest(_SamplingFields):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import hashlib
 import json
 import time
 import uuid
@@ -122,13 +123,43 @@ class ServingBase:
     def created() -> int:
         return int(time.time())
 
+    def cache_salt(self, http: HTTPRequest, client_salt: Optional[str]) -> Optional[str]:
+        """The prefix-cache salt of a request. With API keys, it is derived from the caller's key, so that one
+        key's requests never hit another key's cached blocks (no timing side channel between tenants); a
+        client's own `cache_salt` is added on top of the key's, never in place of it."""
+        if not self.config.api_keys:
+            return client_salt
+        token = http.headers.get("authorization", "").partition(" ")[2].strip()
+        key_salt = hashlib.sha256(b"pagedserve-tenant:" + token.encode()).hexdigest()
+        return key_salt if client_salt is None else f"{key_salt}/{client_salt}"
+
     def streams(self, prompts: list[tuple[Optional[str], list[int]]], params: list[SamplingParams],
-                request_id: str) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """One engine request per prompt (with its params), merged into one stream of (prompt index, delta)."""
-        gens = [self.async_llm.generate({"prompt": text, "prompt_token_ids": ids}, p,
+                request_id: str, cache_salt: Optional[str] = None,
+                cached_tokens: Optional[dict[int, int]] = None) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """One engine request per prompt (with its params), merged into one stream of (prompt index, delta).
+        `cached_tokens` (prompt index -> prompt tokens served from the prefix cache) is filled as it runs."""
+        gens = [self.async_llm.generate({"prompt": text, "prompt_token_ids": ids, "cache_salt": cache_salt}, p,
                                         request_id if len(prompts) == 1 else f"{request_id}-{i}")
                 for i, ((text, ids), p) in enumerate(zip(prompts, params))]
-        return merge_streams(gens)
+        merged = merge_streams(gens)
+        return merged if cached_tokens is None else _noting_cached_tokens(merged, cached_tokens)
+
+
+def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: dict[int, int]) -> dict:
+    """OpenAI's usage object, with the prompt tokens served from the prefix cache."""
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": sum(cached_tokens.values())}}
+
+
+async def _noting_cached_tokens(stream: AsyncIterator[tuple[int, RequestOutput]],
+                                cached: dict[int, int]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    try:
+        async for i, out in stream:
+            cached[i] = max(cached.get(i, 0), out.num_cached_tokens)
+            yield i, out
+    finally:
+        await stream.aclose()
 
 
 async def merge_streams(gens: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:

@@ -12,7 +12,7 @@ from starlette.requests import Request as HTTPRequest
 from pagedserve.entrypoints.openai.errors import OpenAIError
 from pagedserve.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
 from pagedserve.entrypoints.openai.serving_base import (SSE_DONE, ServingBase, engine_error, sse,
-                                                        until_disconnected)
+                                                        until_disconnected, usage_dict)
 
 logger = logging.getLogger(__name__)
 
@@ -64,11 +64,11 @@ class ServingChat(ServingBase):
         request_id = self.new_id("chatcmpl")
         if self.config.log_requests:
             logger.info("%s: %d prompt tokens, %s", request_id, len(ids), params)
-        stream = self.streams([(text, ids)], [params], request_id)
+        cached: dict[int, int] = {}
+        stream = self.streams([(text, ids)], [params], request_id, self.cache_salt(http, body.cache_salt), cached)
         choices = [_Choice() for _ in range(body.n)]
         head = {"id": request_id, "created": self.created(), "model": model}
-        usage = lambda: {"prompt_tokens": len(ids), "completion_tokens": sum(c.num_tokens for c in choices),  # noqa: E731
-                         "total_tokens": len(ids) + sum(c.num_tokens for c in choices)}
+        usage = lambda: usage_dict(len(ids), sum(c.num_tokens for c in choices), cached)  # noqa: E731
 
         if not body.stream:
             async def run() -> None:

@@ -12,7 +12,7 @@ from starlette.requests import Request as HTTPRequest
 from pagedserve.entrypoints.openai.errors import OpenAIError
 from pagedserve.entrypoints.openai.protocol import CompletionRequest
 from pagedserve.entrypoints.openai.serving_base import (SSE_DONE, ServingBase, engine_error, sse,
-                                                        until_disconnected)
+                                                        until_disconnected, usage_dict)
 
 logger = logging.getLogger(__name__)
 
@@ -44,13 +44,13 @@ class ServingCompletion(ServingBase):
         if self.config.log_requests:
             logger.info("%s: %d prompt(s), %s prompt tokens, %s", request_id, len(prompts),
                         [len(ids) for _, ids in prompts], params[0])
-        stream = self.streams(prompts, params, request_id)
+        cached: dict[int, int] = {}
+        stream = self.streams(prompts, params, request_id, self.cache_salt(http, body.cache_salt), cached)
         n = body.n
         choices = [_Choice() for _ in range(len(prompts) * n)]
         head = {"id": request_id, "object": "text_completion", "created": self.created(), "model": model}
-        usage = lambda: {"prompt_tokens": sum(len(ids) for _, ids in prompts),  # noqa: E731
-                         "completion_tokens": sum(len(c.token_ids) for c in choices),
-                         "total_tokens": sum(len(ids) for _, ids in prompts) + sum(len(c.token_ids) for c in choices)}
+        usage = lambda: usage_dict(sum(len(ids) for _, ids in prompts),  # noqa: E731
+                                   sum(len(c.token_ids) for c in choices), cached)
         echo = [(text if text is not None else self._decode(ids)) if body.echo else "" for text, ids in prompts]
 
         if not body.stream:
