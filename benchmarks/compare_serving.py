@@ -8,8 +8,9 @@ token ids (`pagedserve.benchmarks.throughput.make_prompts`, seed 0), each asking
   (a) all 256 requests at once (--request-rate inf);
   (b) at most 16 in flight (--max-concurrency 16).
 
-Each run's JSON (vLLM's keys) goes to --output-dir; a markdown table of both is printed at the end. The
-server's stdout/stderr go to OUTPUT_DIR/server.log.
+Each scenario gets a freshly started server, so that the second never finds the first one's prompts in the
+prefix cache. Each run's JSON (vLLM's keys) goes to --output-dir; a markdown table of both is printed at the
+end. The servers' stdout/stderr go to OUTPUT_DIR/server_<scenario>.log.
 
     python benchmarks/compare_serving.py --dtype bfloat16
     python benchmarks/compare_serving.py --model tiny-dir --num-prompts 8 --input-len 8 --output-len 4  # smoke
@@ -66,6 +67,14 @@ def start_server(args, log_path: str) -> tuple[subprocess.Popen, str]:
             time.sleep(0.5)
 
 
+def stop_server(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
 def write_workload(args, path: str) -> None:
     from pagedserve.loader.model_loader import open_checkpoint
 
@@ -110,18 +119,16 @@ def main() -> None:
     os.makedirs(args.output_dir, exist_ok=True)
     workload = os.path.join(args.output_dir, "workload.jsonl")
     write_workload(args, workload)
-    proc, url = start_server(args, os.path.join(args.output_dir, "server.log"))
-    try:
-        rows = [(f"all {args.num_prompts} at once", run_scenario(url, workload, args, "all_at_once", [])),
-                (f"max concurrency {args.max_concurrency}",
-                 run_scenario(url, workload, args, f"concurrency{args.max_concurrency}",
-                              ["--max-concurrency", str(args.max_concurrency)]))]
-    finally:
-        proc.terminate()
+    scenarios = [(f"all {args.num_prompts} at once", "all_at_once", []),
+                 (f"max concurrency {args.max_concurrency}", f"concurrency{args.max_concurrency}",
+                  ["--max-concurrency", str(args.max_concurrency)])]
+    rows = []
+    for label, name, extra in scenarios:
+        proc, url = start_server(args, os.path.join(args.output_dir, f"server_{name}.log"))
         try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+            rows.append((label, run_scenario(url, workload, args, name, extra)))
+        finally:
+            stop_server(proc)
     table = markdown(rows)
     print("\n" + table)
     with open(os.path.join(args.output_dir, "table.md"), "w") as f:

@@ -93,3 +93,18 @@ def test_compare_serving_script_smoke(tiny_llama_dir, tmp_path):
     for name in ("all_at_once.json", "concurrency2.json"):
         saved = json.loads((out / name).read_text())
         assert saved["completed"] == 4 and saved["output_lens"] == [3] * 4
+
+
+def test_compare_prefix_caching_script_smoke(tiny_llama_dir, tmp_path):
+    """benchmarks/compare_prefix_caching.py end to end on a tiny shared-prefix load: the cache really hits."""
+    script = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "compare_prefix_caching.py")
+    out = tmp_path / "results"
+    proc = subprocess.run([sys.executable, script, "--model", tiny_llama_dir, "--dtype", "float32",
+                           "--num-prompts", "8", "--num-prefixes", "2", "--prefix-len", "48", "--suffix-len", "4",
+                           "--output-len", "2", "--server-arg=--kv-cache-memory-bytes=8388608",
+                           "--server-arg=--max-model-len=256", "--output-dir", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    table = (out / "table.md").read_text()
+    assert "| prefix caching on | 8 |" in table and "| prefix caching off | 8 |" in table
+    assert "TTFT p50 off/on" in table

@@ -225,6 +225,12 @@ async def until_disconnected(request: HTTPRequest, work: Awaitable[T]) -> T:
     raise ClientDisconnected()
 
 
+def sse_error(e: Exception) -> str:
+    """An error met after a stream's 200 was sent: reported in-band, as an SSE event with OpenAI's error body."""
+    err = engine_error(e)
+    return sse({"error": {"message": err.message, "type": "server_error", "param": err.param, "code": err.code}})
+
+
 def engine_error(e: Exception, param: Optional[str] = "prompt") -> OpenAIError:
     """Errors from AsyncLLM.generate as HTTP errors."""
     if isinstance(e, OpenAIError):

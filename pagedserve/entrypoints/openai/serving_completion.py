@@ -12,7 +12,7 @@ from starlette.requests import Request as HTTPRequest
 from pagedserve.entrypoints.openai.errors import OpenAIError
 from pagedserve.entrypoints.openai.protocol import CompletionRequest
 from pagedserve.entrypoints.openai.serving_base import (SSE_DONE, ServingBase, engine_error, sse,
-                                                        until_disconnected, usage_dict)
+                                                        sse_error, until_disconnected, usage_dict)
 
 logger = logging.getLogger(__name__)
 
@@ -126,9 +126,7 @@ class ServingCompletion(ServingBase):
                 if include_usage:
                     yield sse({**head, "choices": [], "usage": usage()})
             except Exception as e:  # noqa: BLE001 - the status is sent already: report in-band
-                err = engine_error(e)
-                yield sse({"error": {"message": err.message, "type": "server_error", "param": err.param,
-                                     "code": err.code}})
+                yield sse_error(e)
             finally:
                 await stream.aclose()
             yield SSE_DONE
