@@ -10,7 +10,7 @@ import json
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Awaitable, Optional, TypeVar
+from typing import AsyncIterator, Awaitable, Callable, Optional, TypeVar
 
 from starlette.requests import Request as HTTPRequest
 
@@ -223,6 +223,34 @@ async def until_disconnected(request: HTTPRequest, work: Awaitable[T]) -> T:
     if task in done and not task.cancelled():
         return task.result()
     raise ClientDisconnected()
+
+
+async def collect(http: HTTPRequest, stream: AsyncIterator[tuple[int, RequestOutput]],
+                  on_output: Callable[[int, RequestOutput], None]) -> None:
+    """Non-streaming: feed every (prompt index, delta) to `on_output` until all requests finish. Engine errors
+    become HTTP errors; a client that goes away aborts the requests."""
+    async def run() -> None:
+        try:
+            async for i, out in stream:
+                on_output(i, out)
+        except Exception as e:  # noqa: BLE001
+            raise engine_error(e) from e
+        finally:
+            await stream.aclose()
+
+    await until_disconnected(http, run())
+
+
+async def first_output(http: HTTPRequest, stream: AsyncIterator[T]) -> Optional[T]:
+    """Streaming: wait for the first delta before the 200 goes out, so that an engine error (a rejected
+    prompt, a full queue) can still be an HTTP error. None when the stream ends at once."""
+    try:
+        return await until_disconnected(http, anext(stream))
+    except StopAsyncIteration:
+        return None
+    except Exception as e:
+        await stream.aclose()
+        raise engine_error(e) from e
 
 
 def sse_error(e: Exception) -> str:

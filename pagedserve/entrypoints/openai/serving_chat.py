@@ -11,8 +11,8 @@ from starlette.requests import Request as HTTPRequest
 
 from pagedserve.entrypoints.openai.errors import OpenAIError
 from pagedserve.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
-from pagedserve.entrypoints.openai.serving_base import (SSE_DONE, ServingBase, engine_error, sse,
-                                                        sse_error, until_disconnected, usage_dict)
+from pagedserve.entrypoints.openai.serving_base import (SSE_DONE, ServingBase, collect, first_output, sse,
+                                                        sse_error, usage_dict)
 
 logger = logging.getLogger(__name__)
 
@@ -71,36 +71,24 @@ class ServingChat(ServingBase):
         usage = lambda: usage_dict(len(ids), sum(c.num_tokens for c in choices), cached)  # noqa: E731
 
         if not body.stream:
-            async def run() -> None:
-                try:
-                    async for _, out in stream:
-                        for c in out.outputs:
-                            choice = choices[c.index]
-                            choice.text += c.text
-                            choice.num_tokens += len(c.token_ids)
-                            if logprobs is not None:
-                                choice.logprobs += self._logprobs(c.token_ids, c.logprobs or [], logprobs)
-                            if c.finish_reason is not None:
-                                choice.finish_reason, choice.stop_reason = c.finish_reason, c.stop_reason
-                except Exception as e:  # noqa: BLE001
-                    raise engine_error(e) from e
-                finally:
-                    await stream.aclose()
+            def on_output(_, out) -> None:
+                for c in out.outputs:
+                    choice = choices[c.index]
+                    choice.text += c.text
+                    choice.num_tokens += len(c.token_ids)
+                    if logprobs is not None:
+                        choice.logprobs += self._logprobs(c.token_ids, c.logprobs or [], logprobs)
+                    if c.finish_reason is not None:
+                        choice.finish_reason, choice.stop_reason = c.finish_reason, c.stop_reason
 
-            await until_disconnected(http, run())
+            await collect(http, stream, on_output)
             return JSONResponse({**head, "object": "chat.completion", "choices": [
                 {"index": i, "message": {"role": "assistant", "content": c.text},
                  "logprobs": {"content": c.logprobs} if logprobs is not None else None,
                  "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
                 for i, c in enumerate(choices)], "usage": usage()})
 
-        try:
-            first = await until_disconnected(http, anext(stream))
-        except StopAsyncIteration:
-            first = None
-        except Exception as e:
-            await stream.aclose()
-            raise engine_error(e) from e
+        first = await first_output(http, stream)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
         def chunk(index: int, delta: dict, finish_reason=None, stop_reason=None, lps=None) -> str:

@@ -11,8 +11,8 @@ from starlette.requests import Request as HTTPRequest
 
 from pagedserve.entrypoints.openai.errors import OpenAIError
 from pagedserve.entrypoints.openai.protocol import CompletionRequest
-from pagedserve.entrypoints.openai.serving_base import (SSE_DONE, ServingBase, engine_error, sse,
-                                                        sse_error, until_disconnected, usage_dict)
+from pagedserve.entrypoints.openai.serving_base import (SSE_DONE, ServingBase, collect, first_output, sse,
+                                                        sse_error, usage_dict)
 
 logger = logging.getLogger(__name__)
 
@@ -54,22 +54,16 @@ class ServingCompletion(ServingBase):
         echo = [(text if text is not None else self._decode(ids)) if body.echo else "" for text, ids in prompts]
 
         if not body.stream:
-            async def run() -> None:
-                try:
-                    async for i, out in stream:
-                        for c in out.outputs:
-                            choice = choices[i * n + c.index]
-                            choice.text += c.text
-                            choice.token_ids += c.token_ids
-                            choice.logprobs += c.logprobs or []
-                            if c.finish_reason is not None:
-                                choice.finish_reason, choice.stop_reason = c.finish_reason, c.stop_reason
-                except Exception as e:  # noqa: BLE001
-                    raise engine_error(e) from e
-                finally:
-                    await stream.aclose()
+            def on_output(i, out) -> None:
+                for c in out.outputs:
+                    choice = choices[i * n + c.index]
+                    choice.text += c.text
+                    choice.token_ids += c.token_ids
+                    choice.logprobs += c.logprobs or []
+                    if c.finish_reason is not None:
+                        choice.finish_reason, choice.stop_reason = c.finish_reason, c.stop_reason
 
-            await until_disconnected(http, run())
+            await collect(http, stream, on_output)
             out_choices = []
             for index, choice in enumerate(choices):
                 offset = len(echo[index // n])
@@ -80,13 +74,7 @@ class ServingCompletion(ServingBase):
                     "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason})
             return JSONResponse({**head, "choices": out_choices, "usage": usage()})
 
-        try:
-            first = await until_disconnected(http, anext(stream))
-        except StopAsyncIteration:
-            first = None
-        except Exception as e:
-            await stream.aclose()
-            raise engine_error(e) from e
+        first = await first_output(http, stream)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
         async def events():
