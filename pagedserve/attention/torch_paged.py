@@ -23,13 +23,14 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tens
 
 
 def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
-                    value_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+                    value_cache: torch.Tensor, meta: AttentionMetadata, kv_cached: bool = False) -> torch.Tensor:
     """Causal attention for a batch mixing single-token decodes and prefill chunks.
 
-    query [T, num_heads, head_dim]; key/value [T, kv_heads, head_dim] (this step's, already rotated).
-    Returns [T, num_heads * head_dim].
+    query [T, num_heads, head_dim]; key/value [T, kv_heads, head_dim] (this step's, already rotated; already
+    in the cache when `kv_cached`, as the fused rotary kernel leaves them). Returns [T, num_heads * head_dim].
     """
-    write_kv_cache(key, value, key_cache, value_cache, meta)
+    if not kv_cached:
+        write_kv_cache(key, value, key_cache, value_cache, meta)
     num_tokens, num_heads, head_dim = query.shape
     if meta.decode is not None and not meta.prefills:
         return _decode_attention(query, key_cache, value_cache, meta.decode)

@@ -6,16 +6,27 @@ Parameter names follow HF checkpoints, except that q/k/v and gate/up are fused i
 
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import Iterable, NamedTuple, Optional
 
 import torch
 from torch import nn
 
 from pagedserve.attention.torch_paged import paged_attention
 from pagedserve.executor.forward_context import get_attention_metadata
+from pagedserve.kernels import fused_ops
 from pagedserve.layers.activation import silu_and_mul
 from pagedserve.layers.norm import RMSNorm
 from pagedserve.layers.rotary import RotaryEmbedding, apply_rotary
+
+
+class RopeInputs(NamedTuple):
+    """What the layers need for rotary embeddings this step: the positions and the model's float32 tables
+    (for the fused kernel), or cos/sin already gathered for the positions (for the torch path)."""
+
+    positions: torch.Tensor
+    table: RotaryEmbedding
+    cos: Optional[torch.Tensor] = None
+    sin: Optional[torch.Tensor] = None
 
 
 class LlamaAttention(nn.Module):
@@ -32,13 +43,21 @@ class LlamaAttention(nn.Module):
         self.key_cache: Optional[torch.Tensor] = None
         self.value_cache: Optional[torch.Tensor] = None
 
-    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, rope: "RopeInputs") -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rotary(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rotary(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)
-        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        out = paged_attention(q, k, v, self.key_cache, self.value_cache, get_attention_metadata())
+        meta = get_attention_metadata()
+        qkv = self.qkv_proj(hidden)
+        if rope.cos is None:  # fused: rotate q and k in place and store k/v in the cache, in one pass
+            fused_ops.rotary_and_cache(qkv, rope.positions, rope.table.cos, rope.table.sin, self.key_cache,
+                                       self.value_cache, meta.slot_mapping, self.num_heads, self.num_kv_heads,
+                                       self.head_dim)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if rope.cos is not None:
+            q, k = apply_rotary(q, rope.cos, rope.sin), apply_rotary(k, rope.cos, rope.sin)
+        out = paged_attention(q, k, v, self.key_cache, self.value_cache, meta, kv_cached=rope.cos is None)
         return self.o_proj(out)
 
 
@@ -61,9 +80,17 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(self, hidden: torch.Tensor, residual: Optional[torch.Tensor], rope: "RopeInputs"
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden, residual) in and out, as in HF: the residual stream is summed lazily by the next norm,
+        which lets a fused kernel do the add and the norm in one pass."""
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, rope)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaModel(nn.Module):
@@ -106,10 +133,15 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden = self.model.embed_tokens(input_ids)
-        cos, sin = self.rotary.cos_sin(positions, hidden.dtype)  # once per step, shared by all layers
+        if fused_ops.fuses_rotary(hidden):
+            rope = RopeInputs(positions, self.rotary)
+        else:  # gathered once per step, shared by all layers
+            rope = RopeInputs(positions, self.rotary, *self.rotary.cos_sin(positions, hidden.dtype))
+        residual = None
         for layer in self.model.layers:
-            hidden = layer(hidden, cos, sin)
-        return self.model.norm(hidden)
+            hidden, residual = layer(hidden, residual, rope)
+        hidden, _ = self.model.norm(hidden, residual)
+        return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.linear(hidden, self.lm_head_weight).float()

@@ -1,0 +1,1 @@
+"""CPU kernels in plain C (csrc/), compiled with gcc on first use and called through ctypes."""

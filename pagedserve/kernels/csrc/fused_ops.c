@@ -1,0 +1,194 @@
+/* Fused elementwise ops of a Llama layer for CPU: each replaces several torch ops (and their temporaries)
+ * with one pass over the rows.
+ *
+ * Every op rounds exactly where the Hugging Face reference rounds: in bfloat16, each torch op rounds its
+ * float32 result to bf16, so a product that torch rounds before adding is rounded here too. Built with
+ * -ffp-contract=off so that the compiler does not fuse a rounded multiply and add into one FMA.
+ *
+ * Plain C with OpenMP, called through ctypes (see pagedserve/kernels/fused_ops.py).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+/* Below this many elements a single thread is faster than waking the pool. */
+#define PARALLEL_MIN_ELEMS 32768
+
+static inline float bf16_to_f32(uint16_t h) {
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* NaN stays NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);                                            /* round to nearest even */
+    return (uint16_t)(u >> 16);
+}
+
+/* Element i of a bf16 or f32 array, as float32. */
+static inline float load_at(const void *p, int64_t i, int bf16) {
+    return bf16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+static inline void store_at(void *p, int64_t i, float v, int bf16) {
+    if (bf16)
+        ((uint16_t *)p)[i] = f32_to_bf16(v);
+    else
+        ((float *)p)[i] = v;
+}
+
+/* v rounded to the storage dtype and back: what a torch op in that dtype would have produced. */
+static inline float round_to(float v, int bf16) { return bf16 ? bf16_to_f32(f32_to_bf16(v)) : v; }
+
+/* exp(x), vectorizable: 2^n * 2^f with n = round(x log2 e), |f| <= 1/2, 2^f by its Taylor series to degree 7
+ * (truncation error ~5e-9, below float32 rounding). x is clamped to [-87, 88], inside float32's range. */
+static inline float exp_f32(float x) {
+    x = x < -87.f ? -87.f : (x > 88.f ? 88.f : x);
+    const float t = x * 1.4426950408889634f;
+    const float n = __builtin_floorf(t + 0.5f), f = (t - n) * 0.6931471805599453f;
+    float p = 1.f / 5040.f;
+    p = p * f + 1.f / 720.f;
+    p = p * f + 1.f / 120.f;
+    p = p * f + 1.f / 24.f;
+    p = p * f + 1.f / 6.f;
+    p = p * f + 0.5f;
+    p = p * f + 1.f;
+    p = p * f + 1.f;
+    const uint32_t bits = (uint32_t)((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+/* RMSNorm over rows of length dim, optionally after adding x into the residual stream:
+ *   residual != NULL: residual = round(residual + x); h = residual      (the layer's skip connection)
+ *   residual == NULL: h = x
+ *   out = round(weight * round(h * rsqrt(mean(h^2) + eps)))             (statistics in float32)
+ * Rows are independent, so they are split over the threads. */
+static inline __attribute__((always_inline)) int rms_norm_impl(
+    const void *x, void *residual, const void *weight, void *out, int64_t rows, int64_t dim, float eps,
+    const int bf16, int num_threads) {
+    if (dim > 65536) return 1;
+    const int threads = rows * dim >= PARALLEL_MIN_ELEMS ? num_threads : 1;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+        float h[dim];
+        const int64_t base = r * dim;
+        float sum = 0.f;
+        if (residual) {
+#pragma omp simd reduction(+ : sum)
+            for (int64_t i = 0; i < dim; ++i) {
+                const float v = round_to(load_at(residual, base + i, bf16) + load_at(x, base + i, bf16), bf16);
+                store_at(residual, base + i, v, bf16);
+                h[i] = v;
+                sum += v * v;
+            }
+        } else {
+#pragma omp simd reduction(+ : sum)
+            for (int64_t i = 0; i < dim; ++i) {
+                const float v = load_at(x, base + i, bf16);
+                h[i] = v;
+                sum += v * v;
+            }
+        }
+        const float inv_rms = 1.f / sqrtf(sum / (float)dim + eps);
+#pragma omp simd
+        for (int64_t i = 0; i < dim; ++i)
+            store_at(out, base + i, load_at(weight, i, bf16) * round_to(h[i] * inv_rms, bf16), bf16);
+    }
+    return 0;
+}
+
+/* SwiGLU on a fused gate/up projection: x [rows, 2 * dim] -> out [rows, dim],
+ * out = round(round(silu(gate)) * up), silu(g) = g / (1 + exp(-g)) in float32. */
+static inline __attribute__((always_inline)) int silu_and_mul_impl(const void *x, void *out, int64_t rows,
+                                                                   int64_t dim, const int bf16, int num_threads) {
+    const int threads = rows * dim >= PARALLEL_MIN_ELEMS ? num_threads : 1;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+        const int64_t in = r * 2 * dim, at = r * dim;
+#pragma omp simd
+        for (int64_t i = 0; i < dim; ++i) {
+            const float g = load_at(x, in + i, bf16), up = load_at(x, in + dim + i, bf16);
+            const float silu = round_to(g / (1.f + exp_f32(-g)), bf16);
+            store_at(out, at + i, silu * up, bf16);
+        }
+    }
+    return 0;
+}
+
+/* Rotary embedding (rotate-half layout) applied in place to the q and k heads of a fused qkv projection,
+ * then this step's k and v written into the paged KV cache.
+ *
+ * qkv: [tokens, row_stride] with q heads at column 0, k heads at num_heads * head_dim and v heads after them.
+ * cos/sin: float32 [max_positions, head_dim] tables; they are rounded to the model dtype first, as the
+ * reference casts them. For i < head_dim / 2, with x1 = x[i], x2 = x[i + half]:
+ *   x[i]        = round(round(x1 * cos[i]) - round(x2 * sin[i]))
+ *   x[i + half] = round(round(x2 * cos[i + half]) + round(x1 * sin[i + half]))
+ * Caches: [num_blocks, kv_heads, block_size, head_dim]; slot = block * block_size + offset (< 0: not stored). */
+static inline __attribute__((always_inline)) int rotary_and_cache_impl(
+    void *qkv, int64_t row_stride, const int64_t *positions, const float *cos_table, const float *sin_table,
+    void *key_cache, void *value_cache, const int64_t *slots, int64_t tokens, int64_t num_heads, int64_t kv_heads,
+    int64_t head_dim, int64_t block_size, const int bf16, int num_threads) {
+    if (head_dim % 2 || head_dim > 1024) return 1;
+    const int64_t half = head_dim / 2, elem = bf16 ? 2 : 4;
+    const int threads = tokens * (num_heads + 2 * kv_heads) * head_dim >= PARALLEL_MIN_ELEMS ? num_threads : 1;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t t = 0; t < tokens; ++t) {
+        float c[head_dim], s[head_dim];
+        const float *cos_row = cos_table + positions[t] * head_dim, *sin_row = sin_table + positions[t] * head_dim;
+        for (int64_t i = 0; i < head_dim; ++i) {
+            c[i] = round_to(cos_row[i], bf16);
+            s[i] = round_to(sin_row[i], bf16);
+        }
+        const int64_t row = t * row_stride;
+        for (int64_t head = 0; head < num_heads + kv_heads; ++head) {
+            const int64_t at = row + head * head_dim;
+#pragma omp simd
+            for (int64_t i = 0; i < half; ++i) {
+                const float x1 = load_at(qkv, at + i, bf16), x2 = load_at(qkv, at + half + i, bf16);
+                const float lo = round_to(x1 * c[i], bf16) - round_to(x2 * s[i], bf16);
+                const float hi = round_to(x2 * c[half + i], bf16) + round_to(x1 * s[half + i], bf16);
+                store_at(qkv, at + i, lo, bf16);
+                store_at(qkv, at + half + i, hi, bf16);
+            }
+        }
+        const int64_t slot = slots[t];
+        if (slot < 0) continue;
+        const int64_t block = slot / block_size, offset = slot % block_size;
+        const char *k = (const char *)qkv + (row + num_heads * head_dim) * elem;
+        const char *v = k + kv_heads * head_dim * elem;
+        for (int64_t h = 0; h < kv_heads; ++h) {
+            const int64_t dst = (((block * kv_heads + h) * block_size) + offset) * head_dim * elem;
+            memcpy((char *)key_cache + dst, k + h * head_dim * elem, (size_t)(head_dim * elem));
+            memcpy((char *)value_cache + dst, v + h * head_dim * elem, (size_t)(head_dim * elem));
+        }
+    }
+    return 0;
+}
+
+/* Entry points: the dtype flag becomes a constant in each copy, so the inner loops have no dtype branch. */
+int rms_norm(const void *x, void *residual, const void *weight, void *out, int64_t rows, int64_t dim, float eps,
+             int bf16, int num_threads) {
+    return bf16 ? rms_norm_impl(x, residual, weight, out, rows, dim, eps, 1, num_threads)
+                : rms_norm_impl(x, residual, weight, out, rows, dim, eps, 0, num_threads);
+}
+
+int silu_and_mul(const void *x, void *out, int64_t rows, int64_t dim, int bf16, int num_threads) {
+    return bf16 ? silu_and_mul_impl(x, out, rows, dim, 1, num_threads)
+                : silu_and_mul_impl(x, out, rows, dim, 0, num_threads);
+}
+
+int rotary_and_cache(void *qkv, int64_t row_stride, const int64_t *positions, const float *cos_table,
+                     const float *sin_table, void *key_cache, void *value_cache, const int64_t *slots,
+                     int64_t tokens, int64_t num_heads, int64_t kv_heads, int64_t head_dim, int64_t block_size,
+                     int bf16, int num_threads) {
+    return bf16 ? rotary_and_cache_impl(qkv, row_stride, positions, cos_table, sin_table, key_cache, value_cache,
+                                        slots, tokens, num_heads, kv_heads, head_dim, block_size, 1, num_threads)
+                : rotary_and_cache_impl(qkv, row_stride, positions, cos_table, sin_table, key_cache, value_cache,
+                                        slots, tokens, num_heads, kv_heads, head_dim, block_size, 0, num_threads);
+}

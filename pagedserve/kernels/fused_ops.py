@@ -1,0 +1,96 @@
+"""Fused elementwise ops of a Llama layer (csrc/fused_ops.c): RMSNorm with the residual add, SwiGLU, and
+rotary embedding with the KV-cache write. Each is one pass instead of several torch ops and temporaries,
+with the reference's rounding kept (see the C file). The layers ask `fuses_norm(x)` / `fuses_rotary(x)` and
+fall back to their torch code where the answer is False (no compiler, CUDA, float16).
+
+In bfloat16 all three match the torch reference bit for bit. In float32 only the rotary kernel does: the
+norm's sum of squares and SiLU's exp round differently from torch's vectorized versions in the last bit, so
+float32 keeps the torch norm and SiLU (float32 is the dtype that the exactness tests pin to transformers)."""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Optional
+
+import torch
+
+from pagedserve.kernels.build import load_library
+
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+_P, _I64, _F, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+_SIGNATURES = {
+    "rms_norm": [_P, _P, _P, _P, _I64, _I64, _F, _INT, _INT],
+    "silu_and_mul": [_P, _P, _I64, _I64, _INT, _INT],
+    "rotary_and_cache": [_P, _I64, _P, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _INT, _INT],
+}
+# Rounding must happen where the reference rounds: no fusing of a rounded multiply into an add.
+_EXTRA_FLAGS = ("-ffp-contract=off",)
+_library: Optional[ctypes.CDLL] = None
+
+
+def _lib() -> Optional[ctypes.CDLL]:
+    global _library
+    if _library is None:
+        library = load_library("fused_ops", _EXTRA_FLAGS)
+        if library is None:
+            return None
+        for name, argtypes in _SIGNATURES.items():
+            getattr(library, name).argtypes = argtypes
+            getattr(library, name).restype = _INT
+        _library = library
+    return _library
+
+
+def fuses_rotary(x: torch.Tensor) -> bool:
+    """Whether `rotary_and_cache` handles tensors like x (CPU, float32 or bfloat16, and it builds here)."""
+    return x.device.type == "cpu" and x.dtype in _DTYPES and _lib() is not None
+
+
+def fuses_norm(x: torch.Tensor) -> bool:
+    """Whether `rms_norm` and `silu_and_mul` handle x exactly as the reference would (CPU bfloat16)."""
+    return x.device.type == "cpu" and x.dtype == torch.bfloat16 and _lib() is not None
+
+
+def _check(status: int, name: str) -> None:
+    if status != 0:
+        raise RuntimeError(f"fused kernel {name} failed (status {status})")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """RMSNorm of x [rows, dim]; with `residual`, first residual += x (in place) and normalize residual."""
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    rows, dim = x.shape
+    if residual is not None:
+        assert residual.is_contiguous() and residual.shape == x.shape and residual.dtype == x.dtype
+    _check(_lib().rms_norm(x.data_ptr(), residual.data_ptr() if residual is not None else None,
+                           weight.data_ptr(), out.data_ptr(), rows, dim, eps, _DTYPES[x.dtype],
+                           torch.get_num_threads()), "rms_norm")
+    return out
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [rows, 2 * d] (gate | up) -> silu(gate) * up [rows, d]."""
+    x = x.contiguous()
+    rows, width = x.shape
+    out = torch.empty(rows, width // 2, dtype=x.dtype)
+    _check(_lib().silu_and_mul(x.data_ptr(), out.data_ptr(), rows, width // 2, _DTYPES[x.dtype],
+                               torch.get_num_threads()), "silu_and_mul")
+    return out
+
+
+def rotary_and_cache(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     key_cache: torch.Tensor, value_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                     num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    """Rotate the q and k heads of qkv [tokens, (heads + 2 kv_heads) * head_dim] in place by the float32
+    cos/sin tables [max_positions, head_dim] at `positions`, then store k and v at `slot_mapping` in the
+    caches [num_blocks, kv_heads, block_size, head_dim]."""
+    assert qkv.is_contiguous() and qkv.shape[1] == (num_heads + 2 * num_kv_heads) * head_dim
+    assert cos.dtype == sin.dtype == torch.float32 and cos.is_contiguous() and sin.is_contiguous()
+    assert key_cache.dtype == value_cache.dtype == qkv.dtype
+    tokens = qkv.shape[0]
+    _check(_lib().rotary_and_cache(
+        qkv.data_ptr(), qkv.shape[1], positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+        key_cache.data_ptr(), value_cache.data_ptr(), slot_mapping.data_ptr(), tokens, num_heads, num_kv_heads,
+        head_dim, key_cache.shape[2], _DTYPES[qkv.dtype], torch.get_num_threads()), "rotary_and_cache")

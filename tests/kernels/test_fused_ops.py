@@ -1,0 +1,80 @@
+"""The fused C kernels give bit-identical results to the torch ops they replace, where the layers use them."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagedserve.kernels import fused_ops
+from pagedserve.layers.norm import RMSNorm
+from pagedserve.layers.rotary import apply_rotary
+
+needs_kernel = pytest.mark.skipif(not fused_ops.fuses_rotary(torch.zeros(1)), reason="no C compiler")
+
+
+def torch_norm(dim: int, dtype: torch.dtype, seed: int = 0) -> RMSNorm:
+    norm = RMSNorm(dim, 1e-5)
+    norm.weight.data = torch.randn(dim, generator=torch.Generator().manual_seed(seed))
+    return norm.to(dtype)
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 7, 300])  # 300 rows x 576 takes the multi-threaded path
+def test_rms_norm_with_residual_equals_torch_bitwise_in_bfloat16(rows):
+    g = torch.Generator().manual_seed(rows)
+    x = (torch.randn(rows, 576, generator=g) * 4).bfloat16()
+    residual = torch.randn(rows, 576, generator=g).bfloat16()
+    norm = torch_norm(576, torch.bfloat16)
+    expected_residual = residual + x
+    expected = norm._norm(expected_residual)
+    out = fused_ops.rms_norm(x, norm.weight, norm.eps, residual)
+    assert torch.equal(residual, expected_residual)  # updated in place
+    assert torch.equal(out, expected)
+    assert torch.equal(fused_ops.rms_norm(x, norm.weight, norm.eps), norm._norm(x))
+
+
+@needs_kernel
+def test_layer_norm_takes_the_fused_path_only_where_it_is_exact():
+    x = torch.randn(4, 64)
+    assert fused_ops.fuses_norm(x.bfloat16()) and not fused_ops.fuses_norm(x)
+    norm = torch_norm(64, torch.float32)
+    out, residual = norm(x, torch.ones(4, 64))
+    assert torch.equal(residual, x + 1) and torch.equal(out, norm._norm(x + 1))
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [3, 64])
+def test_silu_and_mul_equals_torch_bitwise_in_bfloat16(rows):
+    x = (torch.randn(rows, 2 * 1536, generator=torch.Generator().manual_seed(rows)) * 6).bfloat16()
+    gate, up = x.chunk(2, dim=-1)
+    assert torch.equal(fused_ops.silu_and_mul(x), F.silu(gate) * up)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_and_cache_rotates_in_place_and_stores_kv_at_the_slots(dtype):
+    heads, kv_heads, head_dim, tokens, block_size = 9, 3, 64, 50, 16
+    g = torch.Generator().manual_seed(1)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=g).to(dtype)
+    positions = torch.randint(0, 900, (tokens,), generator=g)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    freqs = torch.outer(torch.arange(1000).float(), inv_freq)
+    cos, sin = torch.cat([freqs, freqs], -1).cos(), torch.cat([freqs, freqs], -1).sin()
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    c, s = cos[positions].to(dtype).unsqueeze(1), sin[positions].to(dtype).unsqueeze(1)
+    expected_q = apply_rotary(q.reshape(tokens, heads, head_dim), c, s)
+    expected_k = apply_rotary(k.reshape(tokens, kv_heads, head_dim), c, s)
+    expected_v = v.reshape(tokens, kv_heads, head_dim).clone()
+    key_cache = torch.full((40, kv_heads, block_size, head_dim), float("nan"), dtype=dtype)  # NaN: never written
+    value_cache = torch.full_like(key_cache, float("nan"))
+    slots = torch.randperm(40 * block_size, generator=g)[:tokens]
+    slots[0] = -1  # a padding token: rotated but not stored
+
+    fused_ops.rotary_and_cache(qkv, positions, cos, sin, key_cache, value_cache, slots, heads, kv_heads, head_dim)
+
+    assert torch.equal(qkv[:, : heads * head_dim].reshape(tokens, heads, head_dim), expected_q)
+    assert torch.equal(qkv[:, heads * head_dim: (heads + kv_heads) * head_dim].reshape(tokens, kv_heads, head_dim),
+                       expected_k)
+    by_slot = lambda cache: cache.permute(0, 2, 1, 3).reshape(-1, kv_heads, head_dim)
+    assert torch.equal(by_slot(key_cache)[slots[1:]], expected_k[1:])
+    assert torch.equal(by_slot(value_cache)[slots[1:]], expected_v[1:])
+    assert (~key_cache.isnan()).sum() == (~value_cache.isnan()).sum() == (tokens - 1) * kv_heads * head_dim
