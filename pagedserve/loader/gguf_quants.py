@@ -92,7 +92,7 @@ def dequantize(
 ) -> torch.Tensor:
     """Decode one GGUF tensor's data to a new ``dtype`` tensor of ``shape``.
 
-    ``raw`` is the tensor's data as GGUFReader gives it (any dtype; only its bytes are read), and
+    ``raw`` is the tensor's data as GGUFFile (or GGUFReader) gives it (any dtype; only its bytes are read), and
     ``shape`` the logical shape in numpy order (GGUF lists dimensions innermost first, so this is
     the reverse of ReaderTensor.shape). The result never shares memory with ``raw``.
     """

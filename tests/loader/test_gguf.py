@@ -16,6 +16,7 @@ from gguf import GGMLQuantizationType as QType
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from pagedserve.loader.gguf import GGUFCheckpoint, dequantize, permute_rope_rows, unpermute_rope_rows
+from pagedserve.loader.gguf_file import GGUFFile
 from pagedserve.loader.gguf_writer import SPECIAL_TOKENS, write_gguf
 
 VOCAB = 272  # 3 special tokens + 256 bytes + 13 unused: room for the writer's byte tokenizer
@@ -205,7 +206,7 @@ def test_qwen2_f32_round_trip_is_exact_and_not_permuted(tmp_path):
     assert ckpt.config.rope_parameters["rope_theta"] == 1000000.0
     assert "output.weight" not in ckpt.tensor_names  # tied: no LM head in the file
     # The writer does not permute qwen2's q/k, so the file holds HF's row order as is.
-    raw_q = ckpt._tensors["blk.0.attn_q.weight"].data
+    raw_q = ckpt._tensors["blk.0.attn_q.weight"].data.view(np.float32).reshape(64, 64)
     assert np.array_equal(raw_q, model.model.layers[0].self_attn.q_proj.weight.detach().numpy())
 
     weights = dict(ckpt.iter_weights(torch.float32))
@@ -445,7 +446,7 @@ def test_default_model_config(smollm2):
     assert config.max_position_embeddings == 8192
     assert (config.bos_token_id, config.eos_token_id) == (1, 2)
     # Tensor types of the file, and the first weights in HF shape.
-    types = {t.tensor_type.name for t in smollm2._reader.tensors}
+    types = {t.tensor_type.name for t in smollm2._file.tensors}
     assert types == {"Q4_1", "Q8_0", "F32"}
     weights = smollm2.iter_weights(torch.bfloat16)
     name, embed = next(weights)
@@ -473,3 +474,33 @@ def test_default_model_tokenizer(smollm2):
         "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
         "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     )
+
+
+def test_gguf_file_reads_the_same_metadata_and_tensor_bytes_as_gguf_reader(tmp_path):
+    """The fast reader agrees with the gguf package's GGUFReader on every field and tensor."""
+    path = tmp_path / "llama.gguf"
+    write_gguf(tiny_llama(), path, quant="Q8_0")
+    fast, reader = GGUFFile(str(path)), gguf.GGUFReader(str(path))
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF."):  # the reader's own header pseudo-fields
+            continue
+        value = fast.fields[key]
+        if field.types[0] == gguf.GGUFValueType.STRING:
+            assert value == bytes(field.parts[field.data[0]]).decode()
+        elif field.types[0] == gguf.GGUFValueType.ARRAY and field.types[1] == gguf.GGUFValueType.STRING:
+            assert value == [bytes(field.parts[i]).decode() for i in field.data]
+        elif field.types[0] == gguf.GGUFValueType.ARRAY:
+            assert np.array_equal(value, np.concatenate([field.parts[i] for i in field.data]))
+        else:
+            assert value == pytest.approx(field.parts[field.data[0]][0].item(), rel=1e-7)
+    assert [t.name for t in fast.tensors] == [t.name for t in reader.tensors]
+    for mine, theirs in zip(fast.tensors, reader.tensors):
+        assert mine.tensor_type == theirs.tensor_type and list(mine.shape) == list(theirs.shape)
+        assert mine.data.tobytes() == np.ascontiguousarray(theirs.data).tobytes()
+
+
+def test_gguf_file_rejects_a_file_that_is_not_gguf(tmp_path):
+    path = tmp_path / "model.gguf"
+    path.write_bytes(b"not a gguf file at all")
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        GGUFFile(str(path))
