@@ -13,6 +13,7 @@ import time
 import torch
 
 from pagedserve.attention import cpu_decode
+from pagedserve.attention.kv_layout import key_cache_shape
 from pagedserve.attention.metadata import DecodeBatch
 from pagedserve.attention.torch_paged import decode_attention_torch
 from pagedserve.executor.cpu_allocator import keep_freed_memory
@@ -41,7 +42,7 @@ def main() -> None:
     dtype = getattr(torch, a.dtype)
     blocks_per_seq = -(-a.context // a.block_size)
     num_blocks = a.batch * blocks_per_seq
-    key_cache = torch.randn(num_blocks, a.kv_heads, a.block_size, a.head_dim).to(dtype)
+    key_cache = torch.randn(key_cache_shape(num_blocks, a.kv_heads, a.block_size, a.head_dim, dtype)).to(dtype)
     value_cache = torch.randn(num_blocks, a.kv_heads, a.block_size, a.head_dim).to(dtype)
     tables = torch.randperm(num_blocks).view(a.batch, blocks_per_seq).contiguous()
     decode = DecodeBatch(tables, torch.full((a.batch,), a.context), a.kv_heads, a.block_size)

@@ -34,9 +34,10 @@ _MAX_GROUP, _MAX_HEAD_DIM, _MAX_BLOCK = 16, 256, 64  # the C file's MAX_* limits
 
 
 def supports(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
-    """Whether the kernel handles this case; otherwise the caller uses the torch path."""
+    """Whether the kernel handles this case; otherwise the caller uses the torch path.
+    key_cache: [num_blocks, kv_heads, head_dim // pack, block_size, pack] (attention/kv_layout.py)."""
     _, num_heads, head_dim = query.shape
-    _, kv_heads, block_size, _ = key_cache.shape
+    kv_heads, block_size = key_cache.shape[1], key_cache.shape[3]
     return (query.device.type == "cpu" and query.dtype in _FUNCTIONS and key_cache.dtype == query.dtype
             and num_heads % kv_heads == 0 and num_heads // kv_heads <= _MAX_GROUP
             and head_dim <= _MAX_HEAD_DIM and block_size <= _MAX_BLOCK and load() is not None)
@@ -46,7 +47,7 @@ def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
                      block_tables: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
     """query [B, H, D] -> [B, H * D]; block_tables [B, max_blocks] int64, context_lens [B] int64."""
     batch, num_heads, head_dim = query.shape
-    _, kv_heads, block_size, _ = key_cache.shape
+    _, kv_heads, block_size, _ = value_cache.shape
     query = query.contiguous()
     out = torch.empty(batch, num_heads * head_dim, dtype=query.dtype)
     status = getattr(load(), _FUNCTIONS[query.dtype])(

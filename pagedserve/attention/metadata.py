@@ -8,6 +8,8 @@ from typing import Optional
 
 import torch
 
+from pagedserve.attention.kv_layout import key_element_index
+
 
 @dataclass
 class DecodeBatch:
@@ -60,6 +62,7 @@ class AttentionMetadata:
     block_size: int
     decode: Optional[DecodeBatch] = None
     prefills: list[PrefillSeq] = field(default_factory=list)
+    _key_index: dict = field(default_factory=dict, repr=False)
 
     @cached_property
     def cache_rows(self) -> torch.Tensor:
@@ -70,3 +73,12 @@ class AttentionMetadata:
         heads = torch.arange(self.num_kv_heads, device=self.slot_mapping.device)
         tiles = blocks[:, None] * self.num_kv_heads + heads[None, :]
         return (tiles * self.block_size + offsets[:, None]).reshape(-1)
+
+    def key_element_index(self, head_dim: int, pack: int) -> torch.Tensor:
+        """Flat K-cache element indices of this step's K, [num_tokens * kv_heads * head_dim] (see
+        kv_layout.key_element_index); computed once per step, shared by all layers."""
+        index = self._key_index.get((head_dim, pack))
+        if index is None:
+            index = key_element_index(self.cache_rows, self.block_size, head_dim, pack)
+            self._key_index[(head_dim, pack)] = index
+        return index

@@ -1,8 +1,8 @@
 """Paged attention in plain PyTorch: correct on any device, the reference for faster backends.
 
-The cache of one layer is a K and a V tensor of shape [num_blocks, kv_heads, block_size, head_dim]: one
-(block, head) pair is a contiguous [block_size, head_dim] tile, so a decode batch gathers its context
-straight into the [batch, kv_heads, context, head_dim] layout that batched matmuls want, in one copy.
+The cache of one layer is a K and a V tensor (layouts in kv_layout.py): one (block, head) pair is a
+contiguous tile, so a decode batch gathers its context into the [batch, kv_heads, context, head_dim] layout
+that batched matmuls want with one index_select per tensor.
 """
 
 from __future__ import annotations
@@ -11,14 +11,15 @@ import torch
 import torch.nn.functional as F
 
 from pagedserve.attention import cpu_decode
+from pagedserve.attention.kv_layout import key_tiles_as_rows
 from pagedserve.attention.metadata import AttentionMetadata, DecodeBatch
 
 
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                    meta: AttentionMetadata) -> None:
     """Store this step's K/V [num_tokens, kv_heads, head_dim] at their slots."""
-    head_dim = key_cache.shape[-1]
-    key_cache.view(-1, head_dim).index_copy_(0, meta.cache_rows, key.reshape(-1, head_dim))
+    head_dim = value_cache.shape[-1]
+    key_cache.view(-1).index_copy_(0, meta.key_element_index(head_dim, key_cache.shape[-1]), key.reshape(-1))
     value_cache.view(-1, head_dim).index_copy_(0, meta.cache_rows, value.reshape(-1, head_dim))
 
 
@@ -43,16 +44,19 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         if seq.block_table is None:  # the whole context is this step's tokens
             out[rows] = _prefill_attention(query[rows], key[rows], value[rows])
         else:
-            k = _gather_sequence(key_cache, seq.block_table, seq.context_len)
+            k = _gather_sequence(key_cache, seq.block_table, seq.context_len, is_key=True)
             v = _gather_sequence(value_cache, seq.block_table, seq.context_len)
             out[rows] = _prefill_attention(query[rows], k, v, past=seq.context_len - seq.query_len)
     return out
 
 
-def _gather_sequence(cache: torch.Tensor, block_table: torch.Tensor, context_len: int) -> torch.Tensor:
+def _gather_sequence(cache: torch.Tensor, block_table: torch.Tensor, context_len: int,
+                     is_key: bool = False) -> torch.Tensor:
     """One sequence's cached K or V as [context_len, kv_heads, head_dim]."""
-    _, kv_heads, block_size, head_dim = cache.shape
-    blocks = cache.index_select(0, block_table)  # [n, kv_heads, block_size, head_dim]
+    blocks = cache.index_select(0, block_table)
+    if is_key:
+        blocks = key_tiles_as_rows(blocks)  # [n, kv_heads, block_size, head_dim]
+    _, kv_heads, _, head_dim = blocks.shape
     return blocks.permute(0, 2, 1, 3).reshape(-1, kv_heads, head_dim)[:context_len]
 
 
@@ -67,11 +71,11 @@ def decode_attention_torch(query: torch.Tensor, key_cache: torch.Tensor, value_c
                            decode: DecodeBatch) -> torch.Tensor:
     """The reference decode path: gather the context tiles, then two batched matmuls."""
     batch, num_heads, head_dim = query.shape
-    _, kv_heads, block_size, _ = key_cache.shape
+    _, kv_heads, block_size, _ = value_cache.shape
     context = decode.tile_ids.shape[-1] * block_size
     shape = (batch, kv_heads, context, head_dim)
     flat_ids = decode.tile_ids.view(-1)
-    k = key_cache.view(-1, block_size, head_dim).index_select(0, flat_ids).view(shape)
+    k = key_tiles_as_rows(key_cache.view(-1, *key_cache.shape[2:]).index_select(0, flat_ids)).reshape(shape)
     v = value_cache.view(-1, block_size, head_dim).index_select(0, flat_ids).view(shape)
     # Grouped-query attention without repeating K/V: the query heads that share a KV head become that
     # head's rows (one token each, so there is no causal structure to keep).

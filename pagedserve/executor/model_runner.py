@@ -8,6 +8,7 @@ from typing import Optional
 
 import torch
 
+from pagedserve.attention.kv_layout import key_cache_shape, value_cache_shape
 from pagedserve.attention.metadata import AttentionMetadata, DecodeBatch, PrefillSeq
 from pagedserve.config import CacheConfig
 from pagedserve.core.scheduler_output import ScheduledRequest, SchedulerOutput
@@ -46,8 +47,9 @@ class ModelRunner:
         self.num_kv_heads = attn.num_kv_heads
         self.kv_shape_tail = (attn.num_kv_heads, self.block_size, attn.head_dim)
         self.num_blocks = self._num_blocks(cache_config.kv_cache_memory_bytes)
-        shape = (self.num_blocks, *self.kv_shape_tail)
-        self.kv_caches = [(_zeros(shape, self.dtype, self.device), _zeros(shape, self.dtype, self.device))
+        key_shape = key_cache_shape(self.num_blocks, *self.kv_shape_tail, self.dtype)
+        value_shape = value_cache_shape(self.num_blocks, *self.kv_shape_tail)
+        self.kv_caches = [(_zeros(key_shape, self.dtype, self.device), _zeros(value_shape, self.dtype, self.device))
                           for _ in range(self.num_layers)]
         self.model.bind_kv_cache(self.kv_caches)
 

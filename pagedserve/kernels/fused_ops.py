@@ -85,7 +85,7 @@ def rotary_and_cache(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tens
                      num_heads: int, num_kv_heads: int, head_dim: int) -> None:
     """Rotate the q and k heads of qkv [tokens, (heads + 2 kv_heads) * head_dim] in place by the float32
     cos/sin tables [max_positions, head_dim] at `positions`, then store k and v at `slot_mapping` in the
-    caches [num_blocks, kv_heads, block_size, head_dim]."""
+    caches (layouts: attention/kv_layout.py)."""
     assert qkv.is_contiguous() and qkv.shape[1] == (num_heads + 2 * num_kv_heads) * head_dim
     assert cos.dtype == sin.dtype == torch.float32 and cos.is_contiguous() and sin.is_contiguous()
     assert key_cache.dtype == value_cache.dtype == qkv.dtype
@@ -93,4 +93,4 @@ def rotary_and_cache(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tens
     _check(_lib().rotary_and_cache(
         qkv.data_ptr(), qkv.shape[1], positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
         key_cache.data_ptr(), value_cache.data_ptr(), slot_mapping.data_ptr(), tokens, num_heads, num_kv_heads,
-        head_dim, key_cache.shape[2], _DTYPES[qkv.dtype], torch.get_num_threads()), "rotary_and_cache")
+        head_dim, value_cache.shape[2], _DTYPES[qkv.dtype], torch.get_num_threads()), "rotary_and_cache")

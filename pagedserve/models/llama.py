@@ -39,7 +39,7 @@ class LlamaAttention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
-        # Bound by the model runner once the KV cache exists: [num_blocks, kv_heads, block_size, head_dim] each.
+        # Bound by the model runner once the KV cache exists (layouts: attention/kv_layout.py).
         self.key_cache: Optional[torch.Tensor] = None
         self.value_cache: Optional[torch.Tensor] = None
 

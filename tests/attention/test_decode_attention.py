@@ -4,17 +4,20 @@ import pytest
 import torch
 
 from pagedserve.attention import cpu_decode
+from pagedserve.attention.kv_layout import key_cache_as_rows, key_cache_shape
 from pagedserve.attention.metadata import DecodeBatch
 from pagedserve.attention.torch_paged import decode_attention_torch
 
 needs_kernel = pytest.mark.skipif(cpu_decode.load() is None, reason="no C compiler: kernel not built")
 
 
-def random_batch(dtype, batch=7, heads=6, kv_heads=2, head_dim=32, block_size=4, num_blocks=64, seed=0):
+def random_batch(dtype, batch=7, heads=6, kv_heads=2, head_dim=32, block_size=4, num_blocks=64, seed=0,
+                 max_context=23):
     g = torch.Generator().manual_seed(seed)
-    key_cache = torch.randn(num_blocks, kv_heads, block_size, head_dim, generator=g).to(dtype)
+    num_blocks = max(num_blocks, batch * -(-max_context // block_size))
+    key_cache = torch.randn(key_cache_shape(num_blocks, kv_heads, block_size, head_dim, dtype), generator=g).to(dtype)
     value_cache = torch.randn(num_blocks, kv_heads, block_size, head_dim, generator=g).to(dtype)
-    context_lens = torch.randint(1, 23, (batch,), generator=g)
+    context_lens = torch.randint(1, max_context, (batch,), generator=g)
     max_blocks = int(-(-context_lens.max() // block_size))
     # distinct random blocks per sequence, padded with 0 past the context
     perm = torch.randperm(num_blocks, generator=g)[: batch * max_blocks].view(batch, max_blocks)
@@ -24,7 +27,8 @@ def random_batch(dtype, batch=7, heads=6, kv_heads=2, head_dim=32, block_size=4,
 
 def naive(query, key_cache, value_cache, decode):
     out = []
-    kv_heads, block_size = key_cache.shape[1], key_cache.shape[2]
+    kv_heads, block_size = value_cache.shape[1], value_cache.shape[2]
+    key_cache = key_cache_as_rows(key_cache)
     for b in range(query.shape[0]):
         n = int(decode.context_lens[b])
         blocks = decode.block_tables[b, : -(-n // block_size)]
@@ -45,28 +49,32 @@ def test_torch_path_matches_naive_attention(dtype, tol):
 
 @needs_kernel
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(6, 2, 32), (4, 4, 64), (9, 3, 64)])
-def test_kernel_matches_naive_attention(dtype, tol, heads, kv_heads, head_dim):
-    q, kc, vc, decode = random_batch(dtype, heads=heads, kv_heads=kv_heads, head_dim=head_dim)
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(6, 2, 32), (4, 4, 64), (9, 3, 64), (4, 2, 128)])
+@pytest.mark.parametrize("block_size", [4, 16, 32])  # 16 and 32 take the vectorized path for head_dim 64/128
+def test_kernel_matches_naive_attention(dtype, tol, heads, kv_heads, head_dim, block_size):
+    q, kc, vc, decode = random_batch(dtype, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                                     block_size=block_size, max_context=100)
     out = cpu_decode.decode_attention(q, kc, vc, decode.block_tables, decode.context_lens)
     assert out.dtype == dtype
     assert torch.allclose(out.float(), naive(q, kc, vc, decode), atol=tol)
 
 
 @needs_kernel
-def test_kernel_ignores_stale_values_past_the_context():
-    q, kc, vc, decode = random_batch(torch.float32)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size,head_dim", [(4, 32), (16, 64)])
+def test_kernel_ignores_stale_values_past_the_context(dtype, block_size, head_dim):
+    q, kc, vc, decode = random_batch(dtype, block_size=block_size, head_dim=head_dim, max_context=60)
     before = cpu_decode.decode_attention(q, kc, vc, decode.block_tables, decode.context_lens)
     kc_dirty, vc_dirty = kc.clone(), vc.clone()
     used = set()
     for b in range(q.shape[0]):
         n = int(decode.context_lens[b])
         for t in range(n):
-            used.add((int(decode.block_tables[b, t // 4]), t % 4))
+            used.add((int(decode.block_tables[b, t // block_size]), t % block_size))
     for blk in range(kc.shape[0]):
-        for off in range(4):
+        for off in range(block_size):
             if (blk, off) not in used:
-                kc_dirty[blk, :, off] = float("nan")
+                kc_dirty[blk, :, :, off] = float("nan")  # K tiles: [groups, block_size, pack]
                 vc_dirty[blk, :, off] = float("nan")
     after = cpu_decode.decode_attention(q, kc_dirty, vc_dirty, decode.block_tables, decode.context_lens)
     assert torch.equal(before, after)

@@ -4,6 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from pagedserve.attention.kv_layout import key_cache_as_rows, key_cache_shape
 from pagedserve.kernels import fused_ops
 from pagedserve.layers.norm import RMSNorm
 from pagedserve.layers.rotary import apply_rotary
@@ -64,8 +65,8 @@ def test_rotary_and_cache_rotates_in_place_and_stores_kv_at_the_slots(dtype):
     expected_q = apply_rotary(q.reshape(tokens, heads, head_dim), c, s)
     expected_k = apply_rotary(k.reshape(tokens, kv_heads, head_dim), c, s)
     expected_v = v.reshape(tokens, kv_heads, head_dim).clone()
-    key_cache = torch.full((40, kv_heads, block_size, head_dim), float("nan"), dtype=dtype)  # NaN: never written
-    value_cache = torch.full_like(key_cache, float("nan"))
+    key_cache = torch.full(key_cache_shape(40, kv_heads, block_size, head_dim, dtype), float("nan"), dtype=dtype)
+    value_cache = torch.full((40, kv_heads, block_size, head_dim), float("nan"), dtype=dtype)  # NaN: never written
     slots = torch.randperm(40 * block_size, generator=g)[:tokens]
     slots[0] = -1  # a padding token: rotated but not stored
 
@@ -75,6 +76,6 @@ def test_rotary_and_cache_rotates_in_place_and_stores_kv_at_the_slots(dtype):
     assert torch.equal(qkv[:, heads * head_dim: (heads + kv_heads) * head_dim].reshape(tokens, kv_heads, head_dim),
                        expected_k)
     by_slot = lambda cache: cache.permute(0, 2, 1, 3).reshape(-1, kv_heads, head_dim)
-    assert torch.equal(by_slot(key_cache)[slots[1:]], expected_k[1:])
+    assert torch.equal(by_slot(key_cache_as_rows(key_cache))[slots[1:]], expected_k[1:])
     assert torch.equal(by_slot(value_cache)[slots[1:]], expected_v[1:])
     assert (~key_cache.isnan()).sum() == (~value_cache.isnan()).sum() == (tokens - 1) * kv_heads * head_dim

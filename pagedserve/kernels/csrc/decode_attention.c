@@ -1,10 +1,10 @@
 /* Paged decode attention for CPU: each sequence's one query token attends its whole cached context, read
  * in place from the KV-cache blocks (no gather into a new tensor).
  *
- * Cache layout per layer: [num_blocks, kv_heads, block_size, head_dim], so one (block, kv head) pair is a
- * contiguous [block_size, head_dim] tile. Query and output: [batch, heads, head_dim]. Work is split over
- * (sequence, kv head) pairs; the query heads that share a KV head are done together so each tile is
- * converted to float32 once. Accumulation is in float32.
+ * Cache layout per layer (pagedserve/attention/kv_layout.py): one (block, kv head) pair is a contiguous tile,
+ * [block_size][head_dim] for V and [head_dim / pack][block_size][pack] for K (pack = 2 in bf16, 1 in f32).
+ * Query and output: [batch, heads, head_dim]. Work is split over (sequence, kv head) pairs; the query heads
+ * that share a KV head are done together so each tile is read once. Accumulation is in float32.
  *
  * Plain C with OpenMP, called through ctypes: it builds in about a second with gcc and needs no torch headers.
  */
@@ -30,6 +30,24 @@ static inline void tile_to_f32(const void *src, int bf16, int64_t count, float *
     } else {
         memcpy(dst, src, sizeof(float) * (size_t)count);
     }
+}
+
+static inline float bf16_to_f32(uint16_t h) {
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* The first n tokens of a K tile [head_dim / pack][block_size][pack] as float32 rows [n][head_dim]. */
+static inline void key_tile_to_rows(const void *src, int bf16, int64_t n, int64_t head_dim, int64_t block_size,
+                                    float *restrict rows) {
+    const int64_t pack = bf16 ? 2 : 1;
+    for (int64_t t = 0; t < n; ++t)
+        for (int64_t d = 0; d < head_dim; ++d) {
+            const int64_t at = (d / pack) * block_size * pack + t * pack + d % pack;
+            rows[t * head_dim + d] = bf16 ? bf16_to_f32(((const uint16_t *)src)[at]) : ((const float *)src)[at];
+        }
 }
 
 /* exp(x) for x <= 0 (scores minus their max), vectorizable, unlike libm's expf without -ffast-math:
@@ -81,47 +99,93 @@ static inline __attribute__((always_inline)) __m512 load16(const void *p, const 
     return _mm512_loadu_ps((const float *)p);
 }
 
-/* One (sequence, kv head) work item with head_dim = 16 * NV, K/V rows held in registers. Called with a
- * constant nv so that the compiler unrolls every loop over j. */
-static inline __attribute__((always_inline)) void item_avx512(
-    const char *query, const char *key_cache, const char *value_cache, const int64_t *table, int64_t len,
-    float *scores, int64_t group, int64_t block_size, int64_t tile, int64_t row0, int64_t kv_stride,
-    float scale, const int bf16, const int nv, float *out_f32) {
-    const int64_t elem = bf16 ? 2 : 4, head_dim = 16 * nv;
-    __m512 q[MAX_GROUP][8], o[MAX_GROUP][8], k[8];
-    float maxs[MAX_GROUP];
-    const __m512 vscale = _mm512_set1_ps(scale);
-    for (int64_t g = 0; g < group; ++g) {
-        for (int j = 0; j < nv; ++j) {
-            q[g][j] = _mm512_mul_ps(load16(query + ((row0 + g) * head_dim + 16 * j) * elem, bf16), vscale);
-            o[g][j] = _mm512_setzero_ps();
-        }
-        maxs[g] = -INFINITY;
-    }
-    const int64_t tile_bytes = tile * elem;
-    for (int64_t t = 0; t < len; ++t) {
-        const int64_t blk = table[t / block_size];
-        if (t % block_size == 0) {
+/* Scores of one (sequence, kv head) item, 16 tokens at a time: scores[g * len + t] = scale * q_g . k_t and
+ * maxs[g] = max_t of them. K tiles are [head_dim / pack][block_size][pack] (kv_layout.py), so one 64-byte
+ * row of a tile holds dimension group p of 16 consecutive tokens: the query's value(s) for that group are
+ * broadcast and multiplied into a vector of 16 token scores, with no horizontal sums. In bf16, pack = 2 and
+ * one AVX-512 BF16 dot product does both dimensions of a pair (products exact, sums in float32).
+ * Requires block_size % 16 == 0. */
+static inline __attribute__((always_inline)) void scores_avx512(
+    const char *query, const char *key_cache, const int64_t *table, int64_t len, float *scores, float *maxs,
+    int64_t group, int64_t block_size, int64_t head_dim, int64_t tile_bytes, int64_t row0, int64_t kv_stride,
+    const char *value_cache, float scale, const int bf16) {
+    __m512 vmax[MAX_GROUP];
+    for (int64_t g = 0; g < group; ++g) vmax[g] = _mm512_set1_ps(-INFINITY);
+    const int64_t pack = bf16 ? 2 : 1, groups = head_dim / pack, row_bytes = block_size * 4; /* 4 = pack * elem */
+    for (int64_t start = 0; start < len; start += 16) {
+        const int64_t b = start / block_size, chunk = (start % block_size) / 16;
+        const char *tile = key_cache + table[b] * kv_stride * tile_bytes + chunk * 64;
+        if (chunk == 0) {
             /* Blocks are scattered in memory, so the hardware prefetcher can't see them coming: fetch the
-             * K tile PREFETCH_AHEAD blocks ahead, and this block's V tile for the second pass. */
-            const int64_t ahead = t + PREFETCH_AHEAD * block_size;
-            const char *next_k = ahead < len ? key_cache + table[ahead / block_size] * kv_stride * tile_bytes : 0;
-            const char *this_v = value_cache + blk * kv_stride * tile_bytes;
+             * next block's K tile, and this block's V tile for the second pass. */
+            const int64_t next = b + 1;
+            const char *next_k = next * block_size < len ? key_cache + table[next] * kv_stride * tile_bytes : 0;
+            const char *this_v = value_cache + table[b] * kv_stride * tile_bytes;
             for (int64_t off = 0; off < tile_bytes; off += 64) {
                 if (next_k) _mm_prefetch(next_k + off, _MM_HINT_T0);
                 _mm_prefetch(this_v + off, _MM_HINT_T1);
             }
         }
-        const char *row = key_cache + ((blk * kv_stride) * tile + (t % block_size) * head_dim) * elem;
-        for (int j = 0; j < nv; ++j) k[j] = load16(row + 16 * j * elem, bf16);
+        __m512 acc[MAX_GROUP];
+        for (int64_t g = 0; g < group; ++g) acc[g] = _mm512_setzero_ps();
+#if defined(__AVX512BF16__)
+        if (bf16) {
+            const uint32_t *q = (const uint32_t *)(query + row0 * head_dim * 2); /* bf16 pairs */
+            for (int64_t p = 0; p < groups; ++p) {
+                const __m512bh k = (__m512bh)_mm512_loadu_si512(tile + p * row_bytes);
+                for (int64_t g = 0; g < group; ++g)
+                    acc[g] = _mm512_dpbf16_ps(acc[g], (__m512bh)_mm512_set1_epi32((int)q[g * groups + p]), k);
+            }
+        } else
+#endif
+        {
+            for (int64_t p = 0; p < groups; ++p) {
+                const char *row = tile + p * row_bytes;
+                for (int64_t j = 0; j < pack; ++j) {
+                    /* 16 tokens' value of dimension p * pack + j */
+                    __m512 k;
+                    if (bf16) {
+                        const __m512i pairs = _mm512_loadu_si512(row);
+                        k = _mm512_castsi512_ps(j == 0 ? _mm512_slli_epi32(pairs, 16)
+                                                       : _mm512_and_si512(pairs, _mm512_set1_epi32((int)0xffff0000u)));
+                    } else {
+                        k = _mm512_loadu_ps((const float *)row);
+                    }
+                    const int64_t d = p * pack + j;
+                    for (int64_t g = 0; g < group; ++g) {
+                        const int64_t at = (row0 + g) * head_dim + d;
+                        const float qd = bf16 ? bf16_to_f32(((const uint16_t *)query)[at]) : ((const float *)query)[at];
+                        acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(qd), k, acc[g]);
+                    }
+                }
+            }
+        }
+        const int64_t n = len - start < 16 ? len - start : 16;
+        const __mmask16 mask = (__mmask16)(n == 16 ? 0xffff : (1u << n) - 1u);
+        const __m512 vscale = _mm512_set1_ps(scale);
         for (int64_t g = 0; g < group; ++g) {
-            __m512 acc = _mm512_mul_ps(q[g][0], k[0]);
-            for (int j = 1; j < nv; ++j) acc = _mm512_fmadd_ps(q[g][j], k[j], acc);
-            const float s = _mm512_reduce_add_ps(acc);
-            scores[g * len + t] = s;
-            maxs[g] = s > maxs[g] ? s : maxs[g];
+            const __m512 s = _mm512_mul_ps(acc[g], vscale);
+            _mm512_mask_storeu_ps(scores + g * len + start, mask, s);
+            vmax[g] = _mm512_mask_max_ps(vmax[g], mask, vmax[g], s);
         }
     }
+    for (int64_t g = 0; g < group; ++g) maxs[g] = _mm512_reduce_max_ps(vmax[g]);
+}
+
+/* One (sequence, kv head) work item with head_dim = 16 * NV: the scores above, softmax, then the weighted
+ * sum of V rows held in registers. Called with a constant nv so that the compiler unrolls every loop over j. */
+static inline __attribute__((always_inline)) void item_avx512(
+    const char *query, const char *key_cache, const char *value_cache, const int64_t *table, int64_t len,
+    float *scores, int64_t group, int64_t block_size, int64_t tile, int64_t row0, int64_t kv_stride,
+    float scale, const int bf16, const int nv, float *out_f32) {
+    const int64_t elem = bf16 ? 2 : 4, head_dim = 16 * nv;
+    __m512 o[MAX_GROUP][8], k[8];
+    float maxs[MAX_GROUP];
+    for (int64_t g = 0; g < group; ++g)
+        for (int j = 0; j < nv; ++j) o[g][j] = _mm512_setzero_ps();
+    const int64_t tile_bytes = tile * elem;
+    scores_avx512(query, key_cache, table, len, scores, maxs, group, block_size, head_dim, tile_bytes, row0,
+                  kv_stride, value_cache, scale, bf16);
     for (int64_t g = 0; g < group; ++g) {
         float *sg = scores + g * len, m = maxs[g], sum = 0.f;
 #pragma omp simd reduction(+ : sum)
@@ -167,7 +231,7 @@ static inline int decode_attention(const void *query, const void *key_cache, con
             continue;
         }
 #if defined(__AVX512F__)
-        if (head_dim == 64 || head_dim == 128) {
+        if ((head_dim == 64 || head_dim == 128) && block_size % 16 == 0) {
             /* key_cache is offset to this kv head; kv_stride = kv_heads turns block ids into tile ids */
             const char *kc = (const char *)key_cache + h * tile * elem, *vc = (const char *)value_cache + h * tile * elem;
             const int64_t row0 = b * num_heads + h * group;
@@ -197,7 +261,8 @@ static inline int decode_attention(const void *query, const void *key_cache, con
         for (int64_t start = 0; start < len; start += block_size) {
             const int64_t blk = block_tables[b * max_blocks + start / block_size];
             const int64_t n = len - start < block_size ? len - start : block_size;
-            tile_to_f32((const char *)key_cache + (blk * kv_heads + h) * tile * elem, bf16, n * head_dim, rows);
+            key_tile_to_rows((const char *)key_cache + (blk * kv_heads + h) * tile * elem, bf16, n, head_dim,
+                             block_size, rows);
             for (int64_t g = 0; g < group; ++g)
                 for (int64_t t = 0; t < n; ++t) {
                     const float *k = rows + t * head_dim;

@@ -129,13 +129,15 @@ static inline __attribute__((always_inline)) int silu_and_mul_impl(const void *x
  * reference casts them. For i < head_dim / 2, with x1 = x[i], x2 = x[i + half]:
  *   x[i]        = round(round(x1 * cos[i]) - round(x2 * sin[i]))
  *   x[i + half] = round(round(x2 * cos[i + half]) + round(x1 * sin[i + half]))
- * Caches: [num_blocks, kv_heads, block_size, head_dim]; slot = block * block_size + offset (< 0: not stored). */
+ * Caches (pagedserve/attention/kv_layout.py): V tiles [block_size][head_dim], K tiles
+ * [head_dim / pack][block_size][pack] with pack = 2 in bf16 and 1 in f32; slot = block * block_size + offset
+ * (< 0: not stored). */
 static inline __attribute__((always_inline)) int rotary_and_cache_impl(
     void *qkv, int64_t row_stride, const int64_t *positions, const float *cos_table, const float *sin_table,
     void *key_cache, void *value_cache, const int64_t *slots, int64_t tokens, int64_t num_heads, int64_t kv_heads,
     int64_t head_dim, int64_t block_size, const int bf16, int num_threads) {
     if (head_dim % 2 || head_dim > 1024) return 1;
-    const int64_t half = head_dim / 2, elem = bf16 ? 2 : 4;
+    const int64_t half = head_dim / 2, elem = bf16 ? 2 : 4, pack = bf16 ? 2 : 1; /* pack * elem = 4 bytes */
     const int threads = tokens * (num_heads + 2 * kv_heads) * head_dim >= PARALLEL_MIN_ELEMS ? num_threads : 1;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t t = 0; t < tokens; ++t) {
@@ -163,9 +165,13 @@ static inline __attribute__((always_inline)) int rotary_and_cache_impl(
         const char *k = (const char *)qkv + (row + num_heads * head_dim) * elem;
         const char *v = k + kv_heads * head_dim * elem;
         for (int64_t h = 0; h < kv_heads; ++h) {
-            const int64_t dst = (((block * kv_heads + h) * block_size) + offset) * head_dim * elem;
-            memcpy((char *)key_cache + dst, k + h * head_dim * elem, (size_t)(head_dim * elem));
-            memcpy((char *)value_cache + dst, v + h * head_dim * elem, (size_t)(head_dim * elem));
+            const int64_t tile = (block * kv_heads + h) * block_size * head_dim; /* elements */
+            memcpy((char *)value_cache + (tile + offset * head_dim) * elem, v + h * head_dim * elem,
+                   (size_t)(head_dim * elem));
+            /* K tiles are [head_dim / pack][block_size][pack]: pack dims (4 bytes) per token per group */
+            const char *src = k + h * head_dim * elem;
+            char *dst = (char *)key_cache + (tile + offset * pack) * elem;
+            for (int64_t p = 0; p < head_dim / pack; ++p) memcpy(dst + p * block_size * 4, src + p * 4, 4);
         }
     }
     return 0;
