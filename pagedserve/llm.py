@@ -63,6 +63,10 @@ class LLM:
                                 for c in conversations)]
         return self.generate(prompts, sampling_params, use_tqdm)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget the prefix cache, as vLLM's LLM.reset_prefix_cache: later prompts are computed afresh."""
+        return self.engine.reset_prefix_cache()
+
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}
         progress = None

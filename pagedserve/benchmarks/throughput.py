@@ -153,6 +153,8 @@ class PagedserveBackend:
     def generate(self, prompts: list[list[int]], output_len: int) -> RunResult:
         params = self._params(output_len)
         inputs = [{"prompt_token_ids": p} for p in prompts]
+        # Every run computes its prompts: no prefix-cache hits from the warm-up or an earlier repeat.
+        self.llm.reset_prefix_cache()
         _sync(self.device)
         start = time.perf_counter()
         outputs = self.llm.generate(inputs, params, use_tqdm=False)

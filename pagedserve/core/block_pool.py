@@ -83,6 +83,15 @@ class BlockPool:
             del self.cached[block_hash]
             self.block_hashes[block_id] = None
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block's contents (so no later request reuses them). Only when no block is in
+        use, as in vLLM: returns False and changes nothing otherwise."""
+        if len(self._free) != self.num_blocks:
+            return False
+        self.cached.clear()
+        self.block_hashes = [None] * self.num_blocks
+        return True
+
     def usage(self) -> float:
         """Fraction of blocks in use, 0..1 (cached free blocks count as free)."""
         return 1.0 - len(self._free) / self.num_blocks

@@ -131,5 +131,9 @@ class KVCacheManager:
         if not keep_hashes:
             self.req_to_hashes.pop(request.request_id, None)
 
+    def reset_prefix_cache(self) -> bool:
+        """See BlockPool.reset_prefix_cache."""
+        return self.pool.reset_prefix_cache()
+
     def usage(self) -> float:
         return self.pool.usage()

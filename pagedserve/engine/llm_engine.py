@@ -138,6 +138,10 @@ class LLMEngine:
             raise
         self.output_processor.add_request(request_id, text, token_ids, params, child_ids, stream, arrival_time)
 
+    def reset_prefix_cache(self) -> bool:
+        """Drop all cached prefix blocks (e.g. between benchmark runs); False while requests hold blocks."""
+        return self.kv_cache_manager.reset_prefix_cache()
+
     def abort_request(self, request_ids: Union[str, list[str]]) -> None:
         """Stop requests now (unknown or finished ids are ignored); their KV blocks are freed at once."""
         for request_id in [request_ids] if isinstance(request_ids, str) else request_ids:

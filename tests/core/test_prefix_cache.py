@@ -92,3 +92,15 @@ def test_prefix_caching_off_never_reuses():
     run_prefill(kv, req("a", list(range(9))))
     assert kv.get_computed_blocks(req("b", list(range(9)))) == []
     assert kv.pool.cached == {}
+
+
+def test_reset_prefix_cache_forgets_cached_blocks_only_when_none_is_in_use():
+    kv = KVCacheManager(num_blocks=8, block_size=BS)
+    first = req("a", list(range(9)))
+    run_prefill(kv, first)
+    assert not kv.reset_prefix_cache()  # "a" still holds its blocks
+    kv.free(first)
+    assert run_prefill(kv, second := req("b", list(range(9))))  # still cached
+    kv.free(second)
+    assert kv.reset_prefix_cache()
+    assert run_prefill(kv, req("c", list(range(9)))) == []
