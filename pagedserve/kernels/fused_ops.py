@@ -1,11 +1,11 @@
-"""Fused elementwise ops of a Llama layer (csrc/fused_ops.c): RMSNorm with the residual add, SwiGLU, and
-rotary embedding with the KV-cache write. Each is one pass instead of several torch ops and temporaries,
+"""Fused elementwise ops of a Llama layer (csrc/fused_ops.c): RMSNorm with the residual add, and rotary
+embedding with the KV-cache write. Each is one pass instead of several torch ops and temporaries,
 with the reference's rounding kept (see the C file). The layers ask `fuses_norm(x)` / `fuses_rotary(x)` and
 fall back to their torch code where the answer is False (no compiler, CUDA, float16).
 
-In bfloat16 all three match the torch reference bit for bit. In float32 only the rotary kernel does: the
-norm's sum of squares and SiLU's exp round differently from torch's vectorized versions in the last bit, so
-float32 keeps the torch norm and SiLU (float32 is the dtype that the exactness tests pin to transformers)."""
+In bfloat16 both match the torch reference bit for bit. In float32 only the rotary kernel does: the norm's
+sum of squares rounds differently from torch's vectorized reduction in the last bit, so float32 keeps the
+torch norm (float32 is the dtype that the exactness tests pin to transformers)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,6 @@ _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _P, _I64, _F, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 _SIGNATURES = {
     "rms_norm": [_P, _P, _P, _P, _I64, _I64, _F, _INT, _INT],
-    "silu_and_mul": [_P, _P, _I64, _I64, _INT, _INT],
     "rotary_and_cache": [_P, _I64, _P, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _INT, _INT],
 }
 # Rounding must happen where the reference rounds: no fusing of a rounded multiply into an add.
@@ -47,7 +46,7 @@ def fuses_rotary(x: torch.Tensor) -> bool:
 
 
 def fuses_norm(x: torch.Tensor) -> bool:
-    """Whether `rms_norm` and `silu_and_mul` handle x exactly as the reference would (CPU bfloat16)."""
+    """Whether `rms_norm` handles x exactly as the reference would (CPU bfloat16)."""
     return x.device.type == "cpu" and x.dtype == torch.bfloat16 and _lib() is not None
 
 
@@ -67,16 +66,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     _check(_lib().rms_norm(x.data_ptr(), residual.data_ptr() if residual is not None else None,
                            weight.data_ptr(), out.data_ptr(), rows, dim, eps, _DTYPES[x.dtype],
                            torch.get_num_threads()), "rms_norm")
-    return out
-
-
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """x [rows, 2 * d] (gate | up) -> silu(gate) * up [rows, d]."""
-    x = x.contiguous()
-    rows, width = x.shape
-    out = torch.empty(rows, width // 2, dtype=x.dtype)
-    _check(_lib().silu_and_mul(x.data_ptr(), out.data_ptr(), rows, width // 2, _DTYPES[x.dtype],
-                               torch.get_num_threads()), "silu_and_mul")
     return out
 
 

@@ -210,26 +210,18 @@ static inline __attribute__((always_inline)) void item_avx512(
 }
 #endif
 
-static inline int decode_attention(const void *query, const void *key_cache, const void *value_cache,
-                                   const int64_t *block_tables, const int64_t *context_lens, void *out,
-                                   int64_t batch, int64_t num_heads, int64_t kv_heads, int64_t head_dim,
-                                   int64_t block_size, int64_t max_blocks, float scale, int num_threads,
-                                   const int bf16) {
-    const int64_t group = num_heads / kv_heads, elem = bf16 ? 2 : 4;
-    if (group > MAX_GROUP || head_dim > MAX_HEAD_DIM || block_size > MAX_BLOCK || group * kv_heads != num_heads)
-        return 1;
-    const int64_t tile = block_size * head_dim;
-    int failed = 0;
-#pragma omp parallel for num_threads(num_threads) schedule(dynamic, 4)
-    for (int64_t work = 0; work < batch * kv_heads; ++work) {
+/* One (sequence, kv head) pair; returns nonzero if it could not get memory. */
+static inline __attribute__((always_inline)) int decode_item(
+    const void *query, const void *key_cache, const void *value_cache, const int64_t *block_tables,
+    const int64_t *context_lens, void *out, int64_t work, int64_t num_heads, int64_t kv_heads, int64_t head_dim,
+    int64_t block_size, int64_t max_blocks, float scale, const int bf16) {
+    const int64_t group = num_heads / kv_heads, elem = bf16 ? 2 : 4, tile = block_size * head_dim;
+    {
         const int64_t b = work / kv_heads, h = work % kv_heads, len = context_lens[b];
         float q[MAX_GROUP][MAX_HEAD_DIM], acc[MAX_GROUP][MAX_HEAD_DIM], rows[MAX_BLOCK * MAX_HEAD_DIM];
         float maxs[MAX_GROUP], sums[MAX_GROUP];
         float *scores = malloc(sizeof(float) * (size_t)(group * (len > 0 ? len : 1)));
-        if (!scores) {
-            failed = 1;
-            continue;
-        }
+        if (!scores) return 1;
 #if defined(__AVX512F__)
         if ((head_dim == 64 || head_dim == 128) && block_size % 16 == 0) {
             /* key_cache is offset to this kv head; kv_stride = kv_heads turns block ids into tile ids */
@@ -244,7 +236,7 @@ static inline int decode_attention(const void *query, const void *key_cache, con
             for (int64_t g = 0; g < group; ++g)
                 store_row(out, (row0 + g) * head_dim, acc[0] + g * head_dim, 1.f, head_dim, bf16);
             free(scores);
-            continue;
+            return 0;
         }
 #endif
         for (int64_t g = 0; g < group; ++g) {
@@ -300,21 +292,25 @@ static inline int decode_attention(const void *query, const void *key_cache, con
                       head_dim, bf16);
         free(scores);
     }
-    return failed ? 2 : 0;
+    return 0;
 }
 
-int decode_attention_f32(const void *query, const void *key_cache, const void *value_cache,
-                         const int64_t *block_tables, const int64_t *context_lens, void *out, int64_t batch,
-                         int64_t num_heads, int64_t kv_heads, int64_t head_dim, int64_t block_size,
-                         int64_t max_blocks, float scale, int num_threads) {
-    return decode_attention(query, key_cache, value_cache, block_tables, context_lens, out, batch, num_heads,
-                            kv_heads, head_dim, block_size, max_blocks, scale, num_threads, 0);
-}
+/* Entry points, one per dtype. The parallel loop is written in each (not in a shared inline function) because
+ * OpenMP outlines it before inlining, which would turn the dtype flag back into a runtime value. */
+#define DECODE_ENTRY(NAME, BF16)                                                                                \
+    int NAME(const void *query, const void *key_cache, const void *value_cache, const int64_t *block_tables,     \
+             const int64_t *context_lens, void *out, int64_t batch, int64_t num_heads, int64_t kv_heads,          \
+             int64_t head_dim, int64_t block_size, int64_t max_blocks, float scale, int num_threads) {           \
+        const int64_t group = num_heads / kv_heads;                                                              \
+        if (group > MAX_GROUP || head_dim > MAX_HEAD_DIM || block_size > MAX_BLOCK || group * kv_heads != num_heads) \
+            return 1;                                                                                            \
+        int failed = 0;                                                                                          \
+        _Pragma("omp parallel for num_threads(num_threads) schedule(dynamic, 4) reduction(| : failed)")          \
+        for (int64_t work = 0; work < batch * kv_heads; ++work)                                                  \
+            failed |= decode_item(query, key_cache, value_cache, block_tables, context_lens, out, work, num_heads, \
+                                  kv_heads, head_dim, block_size, max_blocks, scale, BF16);                      \
+        return failed ? 2 : 0;                                                                                   \
+    }
 
-int decode_attention_bf16(const void *query, const void *key_cache, const void *value_cache,
-                          const int64_t *block_tables, const int64_t *context_lens, void *out, int64_t batch,
-                          int64_t num_heads, int64_t kv_heads, int64_t head_dim, int64_t block_size,
-                          int64_t max_blocks, float scale, int num_threads) {
-    return decode_attention(query, key_cache, value_cache, block_tables, context_lens, out, batch, num_heads,
-                            kv_heads, head_dim, block_size, max_blocks, scale, num_threads, 1);
-}
+DECODE_ENTRY(decode_attention_f32, 0)
+DECODE_ENTRY(decode_attention_bf16, 1)

@@ -1,5 +1,5 @@
 /* Fused elementwise ops of a Llama layer for CPU: each replaces several torch ops (and their temporaries)
- * with one pass over the rows.
+ * with one pass over the rows. (SwiGLU is left to torch: its two vectorized ops beat a fused C loop here.)
  *
  * Every op rounds exactly where the Hugging Face reference rounds: in bfloat16, each torch op rounds its
  * float32 result to bf16, so a product that torch rounds before adding is rounded here too. Built with
@@ -44,80 +44,59 @@ static inline void store_at(void *p, int64_t i, float v, int bf16) {
 /* v rounded to the storage dtype and back: what a torch op in that dtype would have produced. */
 static inline float round_to(float v, int bf16) { return bf16 ? bf16_to_f32(f32_to_bf16(v)) : v; }
 
-/* exp(x), vectorizable: 2^n * 2^f with n = round(x log2 e), |f| <= 1/2, 2^f by its Taylor series to degree 7
- * (truncation error ~5e-9, below float32 rounding). x is clamped to [-87, 88], inside float32's range. */
-static inline float exp_f32(float x) {
-    x = x < -87.f ? -87.f : (x > 88.f ? 88.f : x);
-    const float t = x * 1.4426950408889634f;
-    const float n = __builtin_floorf(t + 0.5f), f = (t - n) * 0.6931471805599453f;
-    float p = 1.f / 5040.f;
-    p = p * f + 1.f / 720.f;
-    p = p * f + 1.f / 120.f;
-    p = p * f + 1.f / 24.f;
-    p = p * f + 1.f / 6.f;
-    p = p * f + 0.5f;
-    p = p * f + 1.f;
-    p = p * f + 1.f;
-    const uint32_t bits = (uint32_t)((int32_t)n + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return p * scale;
-}
+/* OpenMP outlines a parallel loop before functions are inlined, so a dtype flag passed into a function that
+ * holds the pragma stays a runtime value inside the loop. Instead each op is a per-row function inlined with
+ * a literal flag, and each entry point has one parallel loop per dtype. */
+#define FOR_ROWS_BY_DTYPE(rows, threads, bf16, ROW_CALL)                                     \
+    do {                                                                                     \
+        if (bf16) {                                                                          \
+            _Pragma("omp parallel for num_threads(threads) schedule(static)")               \
+            for (int64_t r = 0; r < (rows); ++r) ROW_CALL(1);                               \
+        } else {                                                                             \
+            _Pragma("omp parallel for num_threads(threads) schedule(static)")               \
+            for (int64_t r = 0; r < (rows); ++r) ROW_CALL(0);                               \
+        }                                                                                    \
+    } while (0)
 
-/* RMSNorm over rows of length dim, optionally after adding x into the residual stream:
+/* RMSNorm of one row of length dim, optionally after adding x into the residual stream:
  *   residual != NULL: residual = round(residual + x); h = residual      (the layer's skip connection)
  *   residual == NULL: h = x
- *   out = round(weight * round(h * rsqrt(mean(h^2) + eps)))             (statistics in float32)
- * Rows are independent, so they are split over the threads. */
-static inline __attribute__((always_inline)) int rms_norm_impl(
-    const void *x, void *residual, const void *weight, void *out, int64_t rows, int64_t dim, float eps,
-    const int bf16, int num_threads) {
-    if (dim > 65536) return 1;
-    const int threads = rows * dim >= PARALLEL_MIN_ELEMS ? num_threads : 1;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t r = 0; r < rows; ++r) {
-        float h[dim];
-        const int64_t base = r * dim;
-        float sum = 0.f;
-        if (residual) {
+ *   out = round(weight * round(h * rsqrt(mean(h^2) + eps)))             (statistics in float32) */
+static inline __attribute__((always_inline)) void rms_norm_row(const void *x, void *residual, const void *weight,
+                                                               void *out, int64_t r, int64_t dim, float eps,
+                                                               const int bf16) {
+    float h[dim];
+    const int64_t base = r * dim;
+    float sum = 0.f;
+    if (residual) {
 #pragma omp simd reduction(+ : sum)
-            for (int64_t i = 0; i < dim; ++i) {
-                const float v = round_to(load_at(residual, base + i, bf16) + load_at(x, base + i, bf16), bf16);
-                store_at(residual, base + i, v, bf16);
-                h[i] = v;
-                sum += v * v;
-            }
-        } else {
-#pragma omp simd reduction(+ : sum)
-            for (int64_t i = 0; i < dim; ++i) {
-                const float v = load_at(x, base + i, bf16);
-                h[i] = v;
-                sum += v * v;
-            }
+        for (int64_t i = 0; i < dim; ++i) {
+            const float v = round_to(load_at(residual, base + i, bf16) + load_at(x, base + i, bf16), bf16);
+            store_at(residual, base + i, v, bf16);
+            h[i] = v;
+            sum += v * v;
         }
-        const float inv_rms = 1.f / sqrtf(sum / (float)dim + eps);
-#pragma omp simd
-        for (int64_t i = 0; i < dim; ++i)
-            store_at(out, base + i, load_at(weight, i, bf16) * round_to(h[i] * inv_rms, bf16), bf16);
+    } else {
+#pragma omp simd reduction(+ : sum)
+        for (int64_t i = 0; i < dim; ++i) {
+            const float v = load_at(x, base + i, bf16);
+            h[i] = v;
+            sum += v * v;
+        }
     }
-    return 0;
+    const float inv_rms = 1.f / sqrtf(sum / (float)dim + eps);
+#pragma omp simd
+    for (int64_t i = 0; i < dim; ++i)
+        store_at(out, base + i, load_at(weight, i, bf16) * round_to(h[i] * inv_rms, bf16), bf16);
 }
 
-/* SwiGLU on a fused gate/up projection: x [rows, 2 * dim] -> out [rows, dim],
- * out = round(round(silu(gate)) * up), silu(g) = g / (1 + exp(-g)) in float32. */
-static inline __attribute__((always_inline)) int silu_and_mul_impl(const void *x, void *out, int64_t rows,
-                                                                   int64_t dim, const int bf16, int num_threads) {
+int rms_norm(const void *x, void *residual, const void *weight, void *out, int64_t rows, int64_t dim, float eps,
+             int bf16, int num_threads) {
+    if (dim > 65536) return 1;
     const int threads = rows * dim >= PARALLEL_MIN_ELEMS ? num_threads : 1;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t r = 0; r < rows; ++r) {
-        const int64_t in = r * 2 * dim, at = r * dim;
-#pragma omp simd
-        for (int64_t i = 0; i < dim; ++i) {
-            const float g = load_at(x, in + i, bf16), up = load_at(x, in + dim + i, bf16);
-            const float silu = round_to(g / (1.f + exp_f32(-g)), bf16);
-            store_at(out, at + i, silu * up, bf16);
-        }
-    }
+#define ROW(BF16) rms_norm_row(x, residual, weight, out, r, dim, eps, BF16)
+    FOR_ROWS_BY_DTYPE(rows, threads, bf16, ROW);
+#undef ROW
     return 0;
 }
 
@@ -132,69 +111,54 @@ static inline __attribute__((always_inline)) int silu_and_mul_impl(const void *x
  * Caches (pagedserve/attention/kv_layout.py): V tiles [block_size][head_dim], K tiles
  * [head_dim / pack][block_size][pack] with pack = 2 in bf16 and 1 in f32; slot = block * block_size + offset
  * (< 0: not stored). */
-static inline __attribute__((always_inline)) int rotary_and_cache_impl(
+static inline __attribute__((always_inline)) void rotary_and_cache_row(
     void *qkv, int64_t row_stride, const int64_t *positions, const float *cos_table, const float *sin_table,
-    void *key_cache, void *value_cache, const int64_t *slots, int64_t tokens, int64_t num_heads, int64_t kv_heads,
-    int64_t head_dim, int64_t block_size, const int bf16, int num_threads) {
-    if (head_dim % 2 || head_dim > 1024) return 1;
+    void *key_cache, void *value_cache, const int64_t *slots, int64_t t, int64_t num_heads, int64_t kv_heads,
+    int64_t head_dim, int64_t block_size, const int bf16) {
     const int64_t half = head_dim / 2, elem = bf16 ? 2 : 4, pack = bf16 ? 2 : 1; /* pack * elem = 4 bytes */
-    const int threads = tokens * (num_heads + 2 * kv_heads) * head_dim >= PARALLEL_MIN_ELEMS ? num_threads : 1;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t t = 0; t < tokens; ++t) {
-        float c[head_dim], s[head_dim];
-        const float *cos_row = cos_table + positions[t] * head_dim, *sin_row = sin_table + positions[t] * head_dim;
-        for (int64_t i = 0; i < head_dim; ++i) {
-            c[i] = round_to(cos_row[i], bf16);
-            s[i] = round_to(sin_row[i], bf16);
-        }
-        const int64_t row = t * row_stride;
-        for (int64_t head = 0; head < num_heads + kv_heads; ++head) {
-            const int64_t at = row + head * head_dim;
+    float c[head_dim], s[head_dim];
+    const float *cos_row = cos_table + positions[t] * head_dim, *sin_row = sin_table + positions[t] * head_dim;
+    for (int64_t i = 0; i < head_dim; ++i) {
+        c[i] = round_to(cos_row[i], bf16);
+        s[i] = round_to(sin_row[i], bf16);
+    }
+    const int64_t row = t * row_stride;
+    for (int64_t head = 0; head < num_heads + kv_heads; ++head) {
+        const int64_t at = row + head * head_dim;
 #pragma omp simd
-            for (int64_t i = 0; i < half; ++i) {
-                const float x1 = load_at(qkv, at + i, bf16), x2 = load_at(qkv, at + half + i, bf16);
-                const float lo = round_to(x1 * c[i], bf16) - round_to(x2 * s[i], bf16);
-                const float hi = round_to(x2 * c[half + i], bf16) + round_to(x1 * s[half + i], bf16);
-                store_at(qkv, at + i, lo, bf16);
-                store_at(qkv, at + half + i, hi, bf16);
-            }
-        }
-        const int64_t slot = slots[t];
-        if (slot < 0) continue;
-        const int64_t block = slot / block_size, offset = slot % block_size;
-        const char *k = (const char *)qkv + (row + num_heads * head_dim) * elem;
-        const char *v = k + kv_heads * head_dim * elem;
-        for (int64_t h = 0; h < kv_heads; ++h) {
-            const int64_t tile = (block * kv_heads + h) * block_size * head_dim; /* elements */
-            memcpy((char *)value_cache + (tile + offset * head_dim) * elem, v + h * head_dim * elem,
-                   (size_t)(head_dim * elem));
-            /* K tiles are [head_dim / pack][block_size][pack]: pack dims (4 bytes) per token per group */
-            const char *src = k + h * head_dim * elem;
-            char *dst = (char *)key_cache + (tile + offset * pack) * elem;
-            for (int64_t p = 0; p < head_dim / pack; ++p) memcpy(dst + p * block_size * 4, src + p * 4, 4);
+        for (int64_t i = 0; i < half; ++i) {
+            const float x1 = load_at(qkv, at + i, bf16), x2 = load_at(qkv, at + half + i, bf16);
+            const float lo = round_to(x1 * c[i], bf16) - round_to(x2 * s[i], bf16);
+            const float hi = round_to(x2 * c[half + i], bf16) + round_to(x1 * s[half + i], bf16);
+            store_at(qkv, at + i, lo, bf16);
+            store_at(qkv, at + half + i, hi, bf16);
         }
     }
-    return 0;
-}
-
-/* Entry points: the dtype flag becomes a constant in each copy, so the inner loops have no dtype branch. */
-int rms_norm(const void *x, void *residual, const void *weight, void *out, int64_t rows, int64_t dim, float eps,
-             int bf16, int num_threads) {
-    return bf16 ? rms_norm_impl(x, residual, weight, out, rows, dim, eps, 1, num_threads)
-                : rms_norm_impl(x, residual, weight, out, rows, dim, eps, 0, num_threads);
-}
-
-int silu_and_mul(const void *x, void *out, int64_t rows, int64_t dim, int bf16, int num_threads) {
-    return bf16 ? silu_and_mul_impl(x, out, rows, dim, 1, num_threads)
-                : silu_and_mul_impl(x, out, rows, dim, 0, num_threads);
+    const int64_t slot = slots[t];
+    if (slot < 0) return;
+    const int64_t block = slot / block_size, offset = slot % block_size;
+    const char *k = (const char *)qkv + (row + num_heads * head_dim) * elem;
+    const char *v = k + kv_heads * head_dim * elem;
+    for (int64_t h = 0; h < kv_heads; ++h) {
+        const int64_t tile = (block * kv_heads + h) * block_size * head_dim; /* elements */
+        memcpy((char *)value_cache + (tile + offset * head_dim) * elem, v + h * head_dim * elem,
+               (size_t)(head_dim * elem));
+        /* K tiles are [head_dim / pack][block_size][pack]: pack dims (4 bytes) per token per group */
+        const char *src = k + h * head_dim * elem;
+        char *dst = (char *)key_cache + (tile + offset * pack) * elem;
+        for (int64_t p = 0; p < head_dim / pack; ++p) memcpy(dst + p * block_size * 4, src + p * 4, 4);
+    }
 }
 
 int rotary_and_cache(void *qkv, int64_t row_stride, const int64_t *positions, const float *cos_table,
                      const float *sin_table, void *key_cache, void *value_cache, const int64_t *slots,
                      int64_t tokens, int64_t num_heads, int64_t kv_heads, int64_t head_dim, int64_t block_size,
                      int bf16, int num_threads) {
-    return bf16 ? rotary_and_cache_impl(qkv, row_stride, positions, cos_table, sin_table, key_cache, value_cache,
-                                        slots, tokens, num_heads, kv_heads, head_dim, block_size, 1, num_threads)
-                : rotary_and_cache_impl(qkv, row_stride, positions, cos_table, sin_table, key_cache, value_cache,
-                                        slots, tokens, num_heads, kv_heads, head_dim, block_size, 0, num_threads);
+    if (head_dim % 2 || head_dim > 1024) return 1;
+    const int threads = tokens * (num_heads + 2 * kv_heads) * head_dim >= PARALLEL_MIN_ELEMS ? num_threads : 1;
+#define ROW(BF16) rotary_and_cache_row(qkv, row_stride, positions, cos_table, sin_table, key_cache, value_cache, \
+                                       slots, r, num_heads, kv_heads, head_dim, block_size, BF16)
+    FOR_ROWS_BY_DTYPE(tokens, threads, bf16, ROW);
+#undef ROW
+    return 0;
 }
