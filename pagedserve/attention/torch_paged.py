@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from pagedserve.attention import cpu_decode
 from pagedserve.attention.kv_layout import key_tiles_as_rows
-from pagedserve.attention.metadata import AttentionMetadata, DecodeBatch
+from pagedserve.attention.metadata import AttentionMetadata, DecodeBatch, PrefillSeq
 
 
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -39,15 +39,30 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     if meta.decode is not None:
         n = meta.decode.num_seqs
         out[:n] = _decode_attention(query[:n], key_cache, value_cache, meta.decode)
-    for seq in meta.prefills:
-        rows = slice(seq.query_start, seq.query_start + seq.query_len)
+    for group in _fresh_runs(meta.prefills):
+        seq = group[0]
+        rows = slice(seq.query_start, seq.query_start + len(group) * seq.query_len)
         if seq.block_table is None:  # the whole context is this step's tokens
-            out[rows] = _prefill_attention(query[rows], key[rows], value[rows])
+            out[rows] = _prefill_attention(query[rows], key[rows], value[rows], batch=len(group))
         else:
             k = _gather_sequence(key_cache, seq.block_table, seq.context_len, is_key=True)
             v = _gather_sequence(value_cache, seq.block_table, seq.context_len)
             out[rows] = _prefill_attention(query[rows], k, v, past=seq.context_len - seq.query_len)
     return out
+
+
+def _fresh_runs(prefills: list[PrefillSeq]) -> list[list[PrefillSeq]]:
+    """Prefills in order, with adjacent fresh prompts (nothing cached before them) of equal length grouped:
+    each group is one batched attention call instead of one call per prompt."""
+    groups: list[list[PrefillSeq]] = []
+    for seq in prefills:
+        last = groups[-1][-1] if groups else None
+        if (seq.block_table is None and last is not None and last.block_table is None
+                and last.query_len == seq.query_len and last.query_start + last.query_len == seq.query_start):
+            groups[-1].append(seq)
+        else:
+            groups.append([seq])
+    return groups
 
 
 def _gather_sequence(cache: torch.Tensor, block_table: torch.Tensor, context_len: int,
@@ -85,17 +100,20 @@ def decode_attention_torch(query: torch.Tensor, key_cache: torch.Tensor, value_c
     return torch.matmul(probs, v).reshape(batch, num_heads * head_dim)
 
 
-def _prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, past: int = 0) -> torch.Tensor:
-    """query [q, H, d] attends key/value [past + q, KVH, d] causally (query i sits at position past + i)."""
-    q_len, num_heads, head_dim = query.shape
-    kv_len, kv_heads, _ = key.shape
-    q = query.transpose(0, 1).unsqueeze(0)
-    k = key.transpose(0, 1).unsqueeze(0)
-    v = value.transpose(0, 1).unsqueeze(0)
+def _prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, past: int = 0,
+                       batch: int = 1) -> torch.Tensor:
+    """query [q, H, d] attends key/value [past + q, KVH, d] causally (query i sits at position past + i).
+    With batch > 1 (past 0), the rows are `batch` independent prompts of equal length, one after another."""
+    total, num_heads, head_dim = query.shape
+    kv_heads = key.shape[1]
+    q_len = total // batch
+    q = query.view(batch, q_len, num_heads, head_dim).transpose(1, 2)
+    k = key.reshape(batch, -1, kv_heads, head_dim).transpose(1, 2)
+    v = value.reshape(batch, -1, kv_heads, head_dim).transpose(1, 2)
     if past == 0:
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=kv_heads != num_heads)
     else:
         q_pos = torch.arange(past, past + q_len, device=query.device)
-        mask = torch.arange(kv_len, device=query.device)[None, :] <= q_pos[:, None]
+        mask = torch.arange(k.shape[2], device=query.device)[None, :] <= q_pos[:, None]
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=kv_heads != num_heads)
-    return o[0].transpose(0, 1).reshape(q_len, num_heads * head_dim)
+    return o.transpose(1, 2).reshape(total, num_heads * head_dim)
