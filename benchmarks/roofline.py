@@ -3,8 +3,9 @@
     python benchmarks/roofline.py [--dtype bfloat16|float32] [--num-prompts 256 --input-len 128 --output-len 128]
 
 Prints the GEMM rate on the default model's own shapes (256 rows, as in a full decode batch, and 2048 rows, as
-in a prefill step), the copy bandwidth, the FLOPs one W1 run needs (from the model's config), and the output
-tok/s that the matmul rate alone allows: no engine can beat that bound on this machine.
+in a prefill step), the copy and read bandwidths, the FLOPs one W1 run needs (from the model's config), the
+output tok/s that the matmul rate alone allows (no engine can beat that bound on this machine), and the FLOPs
+and bytes of one steady decode step.
 """
 
 from __future__ import annotations
@@ -26,6 +27,16 @@ def gemm_rate(rows: int, shapes: list[tuple[int, int]], dtype: torch.dtype, repe
             torch.nn.functional.linear(x, w)
     seconds = (time.perf_counter() - start) / repeats
     return sum(2 * rows * n * k for n, k in shapes) / seconds / 1e9
+
+
+def read_bandwidth(num_bytes: int = 256 << 20, repeats: int = 10) -> float:
+    """GB/s of reading a large buffer once (a sum over it): what attention's KV reads can get at best."""
+    src = torch.ones(num_bytes // 4, dtype=torch.float32)
+    src.sum()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        src.sum()
+    return num_bytes * repeats / (time.perf_counter() - start) / 1e9
 
 
 def copy_bandwidth(num_bytes: int = 256 << 20, repeats: int = 10) -> float:
@@ -59,6 +70,7 @@ def main() -> None:
     decode_rate = gemm_rate(256, layer_shapes + [(vocab, h)], dtype)
     prefill_rate = gemm_rate(2048, layer_shapes, dtype)
     bandwidth = copy_bandwidth()
+    read_bw = read_bandwidth()
 
     n, p, o = args.num_prompts, args.input_len, args.output_len
     prefill_flops = 2 * layer_params * n * p
@@ -76,6 +88,18 @@ def main() -> None:
     print(f"W1 work: prefill {prefill_flops / 1e12:.2f} + decode {decode_flops / 1e12:.2f} + lm_head "
           f"{lm_head_flops / 1e12:.2f} + attention {attn_flops / 1e12:.2f} = {total / 1e12:.2f} TFLOP")
     print(f"matmul-bound time {bound_s:.1f} s -> at most {n * o / bound_s:.0f} output tok/s")
+
+    # One steady decode step of W1: all n sequences at the mean context.
+    elem = torch.tensor([], dtype=dtype).element_size()
+    step_flops = 2 * (layer_params + vocab * h) * n + layers * c.num_attention_heads * head_dim * 4 * n * ctx
+    weight_bytes = (layer_params + vocab * h) * elem
+    kv_bytes = layers * 2 * c.num_key_value_heads * head_dim * elem * n * ctx
+    matmul_ms = 2 * (layer_params + vocab * h) * n / (decode_rate * 1e9) * 1e3
+    memory_ms = (weight_bytes + kv_bytes) / (read_bw * 1e9) * 1e3
+    print(f"read bandwidth:                                    {read_bw:7.1f} GB/s")
+    print(f"one decode step ({n} seqs, context {ctx:.0f}): {step_flops / 1e9:.1f} GFLOP, weights "
+          f"{weight_bytes / 1e6:.0f} MB + KV reads {kv_bytes / 1e6:.0f} MB; matmuls alone {matmul_ms:.0f} ms at the "
+          f"GEMM rate, KV + weight reads alone {memory_ms:.0f} ms at the read bandwidth")
 
 
 if __name__ == "__main__":

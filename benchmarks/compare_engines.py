@@ -1,0 +1,262 @@
+"""W1 on pagedserve, vLLM's CPU build and llama.cpp's server, side by side in one run.
+
+Offline (default): each engine runs the throughput workload W1 (256 requests x 128 random prompt ids ->
+exactly 128 output tokens, greedy, ignore_eos; prompts from `pagedserve.benchmarks.throughput.make_prompts`,
+seed 0) in a fresh subprocess:
+
+  pagedserve     `pagedserve bench throughput --backend pagedserve` (this Python)
+  vllm           benchmarks/engines/vllm_w1.py in vLLM's own venv, with vLLM's recommended CPU settings:
+                 tcmalloc and Intel OpenMP preloaded, VLLM_CPU_OMP_THREADS_BIND=0-<cores-1>,
+                 VLLM_CPU_KVCACHE_SPACE=4
+  vllm-default   the same with only VLLM_CPU_KVCACHE_SPACE=4 (without it vLLM's default memory share does
+                 not fit here and it refuses to start)
+  llamacpp       benchmarks/engines/llamacpp_w1.py: llama-server with 256 parallel slots, the GGUF given by
+                 --llamacpp-model (default: the BF16 GGUF, the same numbers pagedserve computes with)
+
+Engines alternate: run i starts with engine i mod n, so a drifting machine load hurts none systematically.
+Medians over --runs are reported with the ratios of pagedserve to each other engine.
+
+--serving runs the serving view instead: each engine's OpenAI server (`pagedserve serve`, `vllm serve`,
+`llama-server`) is started fresh per scenario, its time to a healthy /health recorded, and
+`pagedserve bench serve` sends W1 to /v1/completions all at once and with at most 16 in flight.
+
+    python benchmarks/compare_engines.py --runs 3
+    python benchmarks/compare_engines.py --serving --engines pagedserve,vllm
+    python benchmarks/compare_engines.py --runs 1 --num-prompts 8 --output-len 8   # smoke
+
+Setup of the other engines: benchmarks/engines/setup.sh.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ENGINES_DIR = Path(os.environ.get("PAGEDSERVE_ENGINES_DIR", "/work/engines"))
+TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
+
+
+def vllm_env(args, tuned: bool) -> dict:
+    env = {"VLLM_CPU_KVCACHE_SPACE": "4"}
+    if tuned:
+        preload = [p for p in (TCMALLOC, str(Path(args.vllm_python).parent.parent / "lib" / "libiomp5.so"))
+                   if os.path.exists(p)]
+        env.update(LD_PRELOAD=" ".join(preload), VLLM_CPU_OMP_THREADS_BIND=f"0-{os.cpu_count() - 1}")
+    return env
+
+
+def offline_command(engine: str, args, out_json: str) -> tuple[list[str], dict]:
+    w1 = ["--num-prompts", str(args.num_prompts), "--input-len", str(args.input_len),
+          "--output-len", str(args.output_len)]
+    if engine == "pagedserve":
+        cmd = [sys.executable, "-m", "pagedserve.entrypoints.cli", "bench", "throughput", "--backend", "pagedserve",
+               "--dtype", args.dtype, "--output-json", out_json, *w1]
+        return cmd, {}
+    if engine in ("vllm", "vllm-default"):
+        cmd = [args.vllm_python, str(HERE / "engines" / "vllm_w1.py"), "--model", args.vllm_model,
+               "--dtype", args.dtype, *w1]
+        return cmd, vllm_env(args, tuned=engine == "vllm")
+    if engine == "llamacpp":
+        cmd = [sys.executable, str(HERE / "engines" / "llamacpp_w1.py"), "--server-bin", args.llama_server,
+               "--model", args.llamacpp_model, "--output-json", out_json, *w1]
+        return cmd, {}
+    raise SystemExit(f"unknown engine {engine!r}")
+
+
+def run_offline(engine: str, args) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        out_json = os.path.join(tmp, "result.json")
+        cmd, extra_env = offline_command(engine, args, out_json)
+        print(f"$ {' '.join(f'{k}={v!r}' for k, v in extra_env.items())} {' '.join(cmd)}", flush=True)
+        proc = subprocess.run(cmd, env={**os.environ, **extra_env}, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise SystemExit(f"{engine} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+        if engine == "pagedserve":
+            with open(out_json) as f:
+                r = json.load(f)["pagedserve"]
+            return {"output_tok_s": r["output_tok_s"], "elapsed_s": r["elapsed_s"], "load_s": r["load_s"],
+                    "exact": r["all_exact_output_len"]}
+        line = [l for l in proc.stdout.splitlines() if l.startswith("{")][-1]
+        r = json.loads(line)
+        return {"output_tok_s": r["output_tok_per_s"], "elapsed_s": r["elapsed_s"],
+                "load_s": r.get("load_s", r.get("startup_s")), "exact": r["exact"]}
+
+
+# -- serving -------------------------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def server_command(engine: str, args, port: int) -> tuple[list[str], dict]:
+    if engine == "pagedserve":
+        return [sys.executable, "-m", "pagedserve.entrypoints.cli", "serve", "--port", str(port), "--dtype",
+                args.dtype, "--disable-log-requests"], {}
+    if engine in ("vllm", "vllm-default"):
+        return [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", args.vllm_model,
+                "--dtype", args.dtype, "--port", str(port), "--max-model-len", "512", "--max-num-seqs", "256",
+                "--served-model-name", "default"], vllm_env(args, engine == "vllm")
+    if engine == "llamacpp":
+        slots = args.num_prompts
+        return [args.llama_server, "--model", args.llamacpp_model, "--port", str(port), "--parallel", str(slots),
+                "--ctx-size", str(slots * (args.input_len + args.output_len)), "--threads", str(os.cpu_count()),
+                "--threads-batch", str(os.cpu_count()), "--cont-batching", "--no-webui"], {}
+    raise SystemExit(f"unknown engine {engine!r}")
+
+
+def start_server(engine: str, args, log_path: str) -> tuple[subprocess.Popen, str, float]:
+    port = _free_port()
+    cmd, extra_env = server_command(engine, args, port)
+    print(f"$ {' '.join(f'{k}={v!r}' for k, v in extra_env.items())} {' '.join(cmd)}", flush=True)
+    start = time.monotonic()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **extra_env})
+    url = f"http://127.0.0.1:{port}"
+    while True:
+        if proc.poll() is not None:
+            raise SystemExit(f"{engine} server exited with {proc.returncode}; see {log_path}")
+        if time.monotonic() - start > args.start_timeout:
+            proc.kill()
+            raise SystemExit(f"{engine} server not healthy after {args.start_timeout} s; see {log_path}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as resp:
+                if resp.status == 200:
+                    return proc, url, time.monotonic() - start
+        except OSError:
+            time.sleep(0.2)
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def run_serving(engine: str, args, workload: str, scenario: str, out_dir: str) -> dict:
+    proc, url, ready_s = start_server(engine, args, os.path.join(out_dir, f"server_{engine}_{scenario}.log"))
+    try:
+        name = f"{engine}_{scenario}"
+        cmd = [sys.executable, "-m", "pagedserve.entrypoints.cli", "bench", "serve", "--base-url", url,
+               "--dataset-name", "jsonl", "--dataset-path", workload, "--num-prompts", str(args.num_prompts),
+               "--ignore-eos", "--num-warmups", "2", "--label", name, "--disable-tqdm", "--no-server-metrics",
+               "--save-result", "--result-dir", out_dir, "--result-filename", f"{name}.json"]
+        if scenario != "all_at_once":
+            cmd += ["--max-concurrency", str(args.max_concurrency)]
+        print(f"$ {' '.join(cmd)}", flush=True)
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+        with open(os.path.join(out_dir, f"{name}.json")) as f:
+            r = json.load(f)
+    finally:
+        stop_server(proc)
+    return {"ready_s": ready_s, **{k: r[k] for k in ("completed", "output_throughput", "median_ttft_ms",
+                                                     "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms")}}
+
+
+# -- report --------------------------------------------------------------------------------------------------
+
+
+def median_of(runs: list[dict], key: str) -> float:
+    return statistics.median(r[key] for r in runs)
+
+
+def offline_table(results: dict[str, list[dict]]) -> str:
+    base = median_of(results["pagedserve"], "output_tok_s") if "pagedserve" in results else None
+    lines = ["| engine | out tok/s (median) | runs | start-up s | exact lengths | pagedserve / engine |",
+             "|---|---|---|---|---|---|"]
+    for engine, runs in results.items():
+        tok = median_of(runs, "output_tok_s")
+        ratio = f"**{base / tok:.2f}x**" if base and engine != "pagedserve" else ""
+        lines.append(f"| {engine} | {tok:.1f} | {', '.join(format(r['output_tok_s'], '.0f') for r in runs)} | "
+                     f"{median_of(runs, 'load_s'):.1f} | {all(r['exact'] for r in runs)} | {ratio} |")
+    return "\n".join(lines)
+
+
+def serving_table(results: dict[tuple[str, str], list[dict]]) -> str:
+    lines = ["| engine | scenario | ready s | out tok/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms |",
+             "|---|---|---|---|---|---|---|---|"]
+    for (engine, scenario), runs in results.items():
+        cells = [median_of(runs, k) for k in ("ready_s", "output_throughput", "median_ttft_ms", "p99_ttft_ms",
+                                              "median_tpot_ms", "p99_tpot_ms")]
+        lines.append(f"| {engine} | {scenario} | {cells[0]:.1f} | {cells[1]:.1f} | {cells[2]:.0f} | {cells[3]:.0f} | "
+                     f"{cells[4]:.1f} | {cells[5]:.1f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--engines", default="pagedserve,vllm,llamacpp",
+                   help="comma-separated: pagedserve, vllm, vllm-default, llamacpp")
+    p.add_argument("--runs", type=int, default=3, help="runs per engine (medians reported)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--num-prompts", type=int, default=256)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--serving", action="store_true", help="the serving view instead of offline throughput")
+    p.add_argument("--scenarios", default="all_at_once,concurrency16", help="with --serving")
+    p.add_argument("--max-concurrency", type=int, default=16)
+    p.add_argument("--start-timeout", type=float, default=900)
+    p.add_argument("--vllm-python", default=str(ENGINES_DIR / "vllm-venv" / "bin" / "python"))
+    p.add_argument("--vllm-model", default=str(ENGINES_DIR / "smollm2-hf"),
+                   help="the default model as a Hugging Face folder (benchmarks/export_hf.py)")
+    p.add_argument("--llama-server", default=shutil.which("llama-server")
+                   or str(ENGINES_DIR / "llama.cpp-build" / "bin" / "llama-server"))
+    p.add_argument("--llamacpp-model", default=str(ENGINES_DIR / "smollm2-bf16.gguf"))
+    p.add_argument("--output-dir", default="engine_results")
+    args = p.parse_args()
+    engines = args.engines.split(",")
+    os.makedirs(args.output_dir, exist_ok=True)
+
+    if not args.serving:
+        results: dict[str, list[dict]] = {e: [] for e in engines}
+        for i in range(args.runs):
+            for engine in engines[i % len(engines):] + engines[:i % len(engines)]:
+                r = run_offline(engine, args)
+                results[engine].append(r)
+                print(f"run {i + 1} {engine}: {r['output_tok_s']:.1f} out tok/s ({r['elapsed_s']:.1f} s)", flush=True)
+        table = offline_table(results)
+    else:
+        sys.path.insert(0, str(HERE.parent))
+        from pagedserve.benchmarks.throughput import make_prompts
+
+        workload = os.path.join(args.output_dir, "workload.jsonl")
+        with open(workload, "w") as f:
+            for ids in make_prompts(args.num_prompts, args.input_len, 49152, 0):
+                f.write(json.dumps({"prompt": ids, "output_len": args.output_len}) + "\n")
+        results2: dict[tuple[str, str], list[dict]] = {}
+        for i in range(args.runs):
+            for scenario in args.scenarios.split(","):
+                for engine in engines[i % len(engines):] + engines[:i % len(engines)]:
+                    r = run_serving(engine, args, workload, scenario, args.output_dir)
+                    results2.setdefault((engine, scenario), []).append(r)
+                    print(f"run {i + 1} {engine} {scenario}: ready {r['ready_s']:.1f} s, "
+                          f"{r['output_throughput']:.1f} tok/s, TTFT p99 {r['p99_ttft_ms']:.0f} ms, "
+                          f"TPOT p99 {r['p99_tpot_ms']:.1f} ms", flush=True)
+        results = {f"{e} {s}": v for (e, s), v in results2.items()}
+        table = serving_table(results2)
+    print("\n" + table)
+    name = "serving" if args.serving else "offline"
+    with open(os.path.join(args.output_dir, f"{name}.json"), "w") as f:
+        json.dump({"args": vars(args), "runs": results}, f, indent=1)
+    with open(os.path.join(args.output_dir, f"{name}.md"), "w") as f:
+        f.write(table + "\n")
+
+
+if __name__ == "__main__":
+    main()
