@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -52,6 +53,12 @@ class ModelRunner:
         self.kv_caches = [(_zeros(key_shape, self.dtype, self.device), _zeros(value_shape, self.dtype, self.device))
                           for _ in range(self.num_layers)]
         self.model.bind_kv_cache(self.kv_caches)
+        if self.device.type == "cpu":
+            start = time.perf_counter()
+            packed = self.model.pack_for_small_batches()
+            if packed:
+                logger.info("packed %d bf16 weight matrices for small-batch decode in %.2f s", packed,
+                            time.perf_counter() - start)
 
     # -- KV-cache sizing ---------------------------------------------------------------------------------
 

@@ -45,6 +45,10 @@ class Sampler(nn.Module):
     """``Sampler()(logits [B, V], meta) -> SamplerOutput``. The logits are modified in place."""
 
     def forward(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        if (meta.all_greedy and meta.max_num_logprobs is None and meta.logit_bias is None and meta.banned is None
+                and meta.penalties is None):
+            # Widening to float32 is exact, so the argmax (first maximum on ties) is the same without it.
+            return SamplerOutput(sampled_token_ids=logits.argmax(dim=-1), logprobs=None)
         if logits.dtype != torch.float32:
             logits = logits.float()
         logits = logits.contiguous()

@@ -13,8 +13,9 @@ from torch import nn
 
 from pagedserve.attention.torch_paged import paged_attention
 from pagedserve.executor.forward_context import get_attention_metadata
-from pagedserve.kernels import fused_ops
+from pagedserve.kernels import fused_ops, skinny_gemm
 from pagedserve.layers.activation import silu_and_mul
+from pagedserve.layers.linear import Linear
 from pagedserve.layers.norm import RMSNorm
 from pagedserve.layers.rotary import RotaryEmbedding, apply_rotary
 
@@ -37,8 +38,8 @@ class LlamaAttention(nn.Module):
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=o_bias)
         # Bound by the model runner once the KV cache exists (layouts: attention/kv_layout.py).
         self.key_cache: Optional[torch.Tensor] = None
         self.value_cache: Optional[torch.Tensor] = None
@@ -65,8 +66,8 @@ class LlamaMLP(nn.Module):
     def __init__(self, config) -> None:
         super().__init__()
         bias = getattr(config, "mlp_bias", False)
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
@@ -120,6 +121,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         attn = self.model.layers[0].self_attn
         self.rotary = RotaryEmbedding(config, attn.head_dim, max_positions)
+        self._packed_lm_head: Optional[skinny_gemm.PackedWeight] = None
 
     @staticmethod
     def attention_biases(config) -> tuple[bool, bool]:
@@ -144,7 +146,18 @@ class LlamaForCausalLM(nn.Module):
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.linear(hidden, self.lm_head_weight).float()
+        """Logits in the model dtype, as the reference computes them; the sampler widens them to float32 when
+        it does more than an argmax."""
+        if self._packed_lm_head is not None and hidden.shape[0] <= skinny_gemm.MAX_ROWS:
+            return skinny_gemm.linear(hidden, self._packed_lm_head)
+        return torch.nn.functional.linear(hidden, self.lm_head_weight)
+
+    def pack_for_small_batches(self) -> int:
+        """Give every linear layer and the LM head a weight copy laid out for small batches (CPU bfloat16;
+        see layers/linear.py). Returns how many were packed; call after the weights are loaded."""
+        packed = sum(m.pack_for_small_batches() for m in self.modules() if isinstance(m, Linear))
+        self._packed_lm_head = skinny_gemm.PackedWeight.of(self.lm_head_weight)
+        return packed + (self._packed_lm_head is not None)
 
     def bind_kv_cache(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         for layer, (key_cache, value_cache) in zip(self.model.layers, kv_caches, strict=True):
