@@ -47,6 +47,15 @@ def test_greedy_is_argmax():
     assert out.logprobs is None
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_takes_the_first_maximum_on_ties_in_the_model_dtype(dtype):
+    logits = torch.zeros(3, 64, dtype=dtype)
+    logits[0, [5, 9]] = 2.0
+    logits[1, [63, 1]] = 1.0
+    logits[2] = -1.0
+    assert sample(logits, [SP(temperature=0.0)] * 3).sampled_token_ids.tolist() == [5, 1, 0]
+
+
 def test_top_k_1_is_greedy():
     torch.manual_seed(1)
     logits = torch.randn(16, 300)
