@@ -48,8 +48,16 @@ class GGUFFile:
         self._map = np.memmap(path, mode="c")
         self._buf = memoryview(self._map)
         self._pos = 0
+        try:
+            self._parse(path)
+        except (struct.error, UnicodeDecodeError, ValueError) as e:
+            if isinstance(e, ValueError) and str(e).startswith(path):
+                raise
+            raise ValueError(f"{path}: corrupt or truncated GGUF header at byte {self._pos} ({e})") from e
+
+    def _parse(self, path: str) -> None:
         if bytes(self._buf[:4]) != _MAGIC:
-            raise ValueError(f"{path} is not a GGUF file (magic {bytes(self._buf[:4])!r})")
+            raise ValueError(f"{path}: not a GGUF file (magic {bytes(self._buf[:4])!r})")
         self._pos = 4
         version, num_tensors, num_fields = self._unpack("<I"), self._unpack("<Q"), self._unpack("<Q")
         if version not in (2, 3):

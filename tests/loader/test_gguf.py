@@ -31,23 +31,29 @@ def _randomize_norms(model: torch.nn.Module) -> torch.nn.Module:
     return model.eval()
 
 
+# Shared by the tiny Llama and Qwen2 configs.
+TINY_SHAPE = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    initializer_range=0.1,  # larger than default so attention is far from uniform and q/k order shows in logits
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=2,
+)
+
+
 def tiny_llama(rope_parameters=None, tie=False) -> transformers.LlamaForCausalLM:
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        initializer_range=0.1,  # larger than default so attention is far from uniform and q/k order shows in logits
+        **TINY_SHAPE,
         rms_norm_eps=1e-5,
         rope_parameters=rope_parameters or {"rope_type": "default", "rope_theta": 10000.0},
         tie_word_embeddings=tie,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=2,
     )
     return _randomize_norms(transformers.LlamaForCausalLM(config))
 
@@ -55,20 +61,10 @@ def tiny_llama(rope_parameters=None, tie=False) -> transformers.LlamaForCausalLM
 def tiny_qwen2() -> transformers.Qwen2ForCausalLM:
     torch.manual_seed(0)
     config = transformers.Qwen2Config(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        initializer_range=0.1,  # larger than default so attention is far from uniform and q/k order shows in logits
+        **TINY_SHAPE,
         rms_norm_eps=1e-6,
         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
         tie_word_embeddings=True,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=2,
     )
     model = transformers.Qwen2ForCausalLM(config)
     with torch.no_grad():  # HF initialises biases to zero; random ones show whether they are loaded
@@ -504,3 +500,13 @@ def test_gguf_file_rejects_a_file_that_is_not_gguf(tmp_path):
     path.write_bytes(b"not a gguf file at all")
     with pytest.raises(ValueError, match="not a GGUF file"):
         GGUFFile(str(path))
+
+
+@pytest.mark.parametrize("keep", [10, 200, 5000])  # inside the header counts, the metadata, the vocabulary
+def test_gguf_file_names_a_truncated_file(tmp_path, keep):
+    full = tmp_path / "full.gguf"
+    write_gguf(tiny_llama(), full, quant="F32")
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(full.read_bytes()[:keep])
+    with pytest.raises(ValueError, match="corrupt or truncated GGUF header"):
+        GGUFFile(str(cut))
