@@ -33,7 +33,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -41,6 +40,10 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
+
+from compare_serving import free_port, stop_server  # beside this file
+
+from pagedserve.benchmarks.throughput import make_prompts
 
 HERE = Path(__file__).resolve().parent
 ENGINES_DIR = Path(os.environ.get("PAGEDSERVE_ENGINES_DIR", "/work/engines"))
@@ -56,6 +59,13 @@ def vllm_env(args, tuned: bool) -> dict:
     return env
 
 
+def w1_prompts(args) -> list[list[int]]:
+    """W1's prompts, exactly as `pagedserve bench throughput` makes them for the default model."""
+    from pagedserve.loader.model_loader import open_checkpoint
+
+    return make_prompts(args.num_prompts, args.input_len, int(open_checkpoint(None).config.vocab_size), 0)
+
+
 def offline_command(engine: str, args, out_json: str) -> tuple[list[str], dict]:
     w1 = ["--num-prompts", str(args.num_prompts), "--input-len", str(args.input_len),
           "--output-len", str(args.output_len)]
@@ -64,8 +74,11 @@ def offline_command(engine: str, args, out_json: str) -> tuple[list[str], dict]:
                "--dtype", args.dtype, "--output-json", out_json, *w1]
         return cmd, {}
     if engine in ("vllm", "vllm-default"):
+        prompts_json = os.path.join(os.path.dirname(out_json), "prompts.json")
+        with open(prompts_json, "w") as f:
+            json.dump(w1_prompts(args), f)
         cmd = [args.vllm_python, str(HERE / "engines" / "vllm_w1.py"), "--model", args.vllm_model,
-               "--dtype", args.dtype, *w1]
+               "--dtype", args.dtype, "--prompts-json", prompts_json, "--output-len", str(args.output_len)]
         return cmd, vllm_env(args, tuned=engine == "vllm")
     if engine == "llamacpp":
         cmd = [sys.executable, str(HERE / "engines" / "llamacpp_w1.py"), "--server-bin", args.llama_server,
@@ -96,12 +109,6 @@ def run_offline(engine: str, args) -> dict:
 # -- serving -------------------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def server_command(engine: str, args, port: int) -> tuple[list[str], dict]:
     if engine == "pagedserve":
         return [sys.executable, "-m", "pagedserve.entrypoints.cli", "serve", "--port", str(port), "--dtype",
@@ -119,7 +126,7 @@ def server_command(engine: str, args, port: int) -> tuple[list[str], dict]:
 
 
 def start_server(engine: str, args, log_path: str) -> tuple[subprocess.Popen, str, float]:
-    port = _free_port()
+    port = free_port()
     cmd, extra_env = server_command(engine, args, port)
     print(f"$ {' '.join(f'{k}={v!r}' for k, v in extra_env.items())} {' '.join(cmd)}", flush=True)
     start = time.monotonic()
@@ -138,15 +145,6 @@ def start_server(engine: str, args, log_path: str) -> tuple[subprocess.Popen, st
                     return proc, url, time.monotonic() - start
         except OSError:
             time.sleep(0.2)
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
 
 
 def run_serving(engine: str, args, workload: str, scenario: str, out_dir: str) -> dict:
@@ -232,12 +230,9 @@ def main() -> None:
                 print(f"run {i + 1} {engine}: {r['output_tok_s']:.1f} out tok/s ({r['elapsed_s']:.1f} s)", flush=True)
         table = offline_table(results)
     else:
-        sys.path.insert(0, str(HERE.parent))
-        from pagedserve.benchmarks.throughput import make_prompts
-
         workload = os.path.join(args.output_dir, "workload.jsonl")
         with open(workload, "w") as f:
-            for ids in make_prompts(args.num_prompts, args.input_len, 49152, 0):
+            for ids in w1_prompts(args):
                 f.write(json.dumps({"prompt": ids, "output_len": args.output_len}) + "\n")
         results2: dict[tuple[str, str], list[dict]] = {}
         for i in range(args.runs):

@@ -36,14 +36,14 @@ COLUMNS = [("completed", "ok", "{:d}"), ("duration", "duration s", "{:.1f}"),
            ("p99_itl_ms", "p99 ITL ms", "{:.1f}"), ("median_e2el_ms", "median E2E ms", "{:.0f}")]
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
 def start_server(args, log_path: str) -> tuple[subprocess.Popen, str]:
-    port = args.port or _free_port()
+    port = args.port or free_port()
     cmd = [sys.executable, "-m", "pagedserve.entrypoints.cli", "serve", "--port", str(port), "--dtype", args.dtype,
            "--disable-log-requests", *args.server_arg]
     if args.model:

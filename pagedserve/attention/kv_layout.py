@@ -31,14 +31,10 @@ def value_cache_shape(num_blocks: int, kv_heads: int, block_size: int, head_dim:
 
 
 def key_tiles_as_rows(tiles: torch.Tensor) -> torch.Tensor:
-    """K tiles [..., head_dim // pack, block_size, pack] as token rows [..., block_size, head_dim] (a view)."""
+    """K tiles [..., head_dim // pack, block_size, pack] (a whole cache or gathered blocks) as token rows
+    [..., block_size, head_dim]; a copy unless pack is 1."""
     *lead, groups, block_size, pack = tiles.shape
     return tiles.transpose(-3, -2).reshape(*lead, block_size, groups * pack)
-
-
-def key_cache_as_rows(key_cache: torch.Tensor) -> torch.Tensor:
-    """The whole K cache as [num_blocks, kv_heads, block_size, head_dim] (a copy): for tests and slow paths."""
-    return key_tiles_as_rows(key_cache)
 
 
 def key_element_index(cache_rows: torch.Tensor, block_size: int, head_dim: int, pack: int) -> torch.Tensor:

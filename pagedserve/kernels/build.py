@@ -1,7 +1,7 @@
 """Compile a C kernel file once per machine and load it with ctypes.
 
-A library is built into ~/.cache/pagedserve (PAGEDSERVE_CACHE_DIR overrides), keyed by its source, the flags
-and the CPU's feature flags, since it is compiled for this CPU with -march=native. If there is no compiler or
+A library is built into ~/.cache/pagedserve (PAGEDSERVE_CACHE_DIR overrides), keyed by its source, the
+headers beside it, the flags and the CPU's feature flags, since it is compiled for this CPU with -march=native. If there is no compiler or
 the build fails, `load_library` returns None (logged once) and callers use their torch path;
 PAGEDSERVE_CPU_KERNEL=0 turns every kernel off. The libraries use OpenMP: inside a process that imported
 torch they bind to torch's own libgomp (same soname), so there is one thread pool, not two.
@@ -39,7 +39,7 @@ def _cpu_flags() -> str:
 
 
 def _build(source: Path, flags: list[str]) -> Path:
-    text = source.read_bytes()
+    text = source.read_bytes() + b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
     key = hashlib.sha256(text + " ".join(flags).encode() + _cpu_flags().encode()).hexdigest()[:16]
     cache = Path(os.environ.get("PAGEDSERVE_CACHE_DIR", Path.home() / ".cache" / "pagedserve"))
     target = cache / f"{source.stem}-{key}.so"

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from pagedserve.attention import cpu_decode
-from pagedserve.attention.kv_layout import key_cache_as_rows, key_cache_shape
+from pagedserve.attention.kv_layout import key_tiles_as_rows, key_cache_shape
 from pagedserve.attention.metadata import DecodeBatch
 from pagedserve.attention.torch_paged import decode_attention_torch
 
@@ -28,7 +28,7 @@ def random_batch(dtype, batch=7, heads=6, kv_heads=2, head_dim=32, block_size=4,
 def naive(query, key_cache, value_cache, decode):
     out = []
     kv_heads, block_size = value_cache.shape[1], value_cache.shape[2]
-    key_cache = key_cache_as_rows(key_cache)
+    key_cache = key_tiles_as_rows(key_cache)
     for b in range(query.shape[0]):
         n = int(decode.context_lens[b])
         blocks = decode.block_tables[b, : -(-n // block_size)]

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from pagedserve.attention.kv_layout import key_cache_as_rows, key_cache_shape
+from pagedserve.attention.kv_layout import key_tiles_as_rows, key_cache_shape
 from pagedserve.kernels import fused_ops
 from pagedserve.layers.norm import RMSNorm
 from pagedserve.layers.rotary import apply_rotary
@@ -67,6 +67,6 @@ def test_rotary_and_cache_rotates_in_place_and_stores_kv_at_the_slots(dtype):
     assert torch.equal(qkv[:, heads * head_dim: (heads + kv_heads) * head_dim].reshape(tokens, kv_heads, head_dim),
                        expected_k)
     by_slot = lambda cache: cache.permute(0, 2, 1, 3).reshape(-1, kv_heads, head_dim)
-    assert torch.equal(by_slot(key_cache_as_rows(key_cache))[slots[1:]], expected_k[1:])
+    assert torch.equal(by_slot(key_tiles_as_rows(key_cache))[slots[1:]], expected_k[1:])
     assert torch.equal(by_slot(value_cache)[slots[1:]], expected_v[1:])
     assert (~key_cache.isnan()).sum() == (~value_cache.isnan()).sum() == (tokens - 1) * kv_heads * head_dim

@@ -10,7 +10,7 @@ import json
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Awaitable, Callable, Optional, TypeVar
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterable, Optional, TypeVar
 
 from starlette.requests import Request as HTTPRequest
 
@@ -251,6 +251,28 @@ async def first_output(http: HTTPRequest, stream: AsyncIterator[T]) -> Optional[
     except Exception as e:
         await stream.aclose()
         raise engine_error(e) from e
+
+
+async def sse_events(head: Iterable[str], first, stream, render: Callable[[Any], Iterable[str]],
+                     final: Optional[Callable[[], str]]) -> AsyncIterator[str]:
+    """The SSE body of a streaming endpoint: the `head` events, `render(item)` for every merged output (`first`
+    already awaited, then the rest of `stream`), `final()` (the usage chunk) if given, then [DONE]. An error
+    met after the 200 was sent is reported in-band; the stream is closed in every case."""
+    try:
+        for event in head:
+            yield event
+        item = first
+        while item is not None:
+            for event in render(item):
+                yield event
+            item = await anext(stream, None)
+        if final is not None:
+            yield final()
+    except Exception as e:  # noqa: BLE001 - the status is sent already: report in-band
+        yield sse_error(e)
+    finally:
+        await stream.aclose()
+    yield SSE_DONE
 
 
 def sse_error(e: Exception) -> str:

@@ -11,8 +11,8 @@ from starlette.requests import Request as HTTPRequest
 
 from pagedserve.entrypoints.openai.errors import OpenAIError
 from pagedserve.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
-from pagedserve.entrypoints.openai.serving_base import (SSE_DONE, ServingBase, collect, first_output, sse,
-                                                        sse_error, usage_dict)
+from pagedserve.entrypoints.openai.serving_base import (ServingBase, collect, first_output, sse, sse_events,
+                                                        usage_dict)
 
 logger = logging.getLogger(__name__)
 
@@ -99,39 +99,26 @@ class ServingChat(ServingBase):
                 payload["usage"] = None
             return sse(payload)
 
-        async def events():
-            try:
-                for i in range(body.n):
-                    yield chunk(i, {"role": "assistant", "content": ""})
-                item = first
-                while item is not None:
-                    for c in item[1].outputs:
-                        choice = choices[c.index]
-                        if choice.finish_reason is not None or (not c.text and not c.token_ids and
-                                                                 c.finish_reason is None):
-                            continue
-                        choice.num_tokens += len(c.token_ids)
-                        lps = None
-                        if logprobs is not None:
-                            lps = {"content": self._logprobs(c.token_ids, c.logprobs or [], logprobs)}
-                        choice.finish_reason = c.finish_reason
-                        if not c.text and c.finish_reason is None and lps is None:
-                            continue  # tokens whose text is held back (a partial character or stop string)
-                        yield chunk(c.index, {"content": c.text} if c.text or c.finish_reason is None else {},
-                                    c.finish_reason, c.stop_reason, lps)
-                    try:
-                        item = await anext(stream)
-                    except StopAsyncIteration:
-                        item = None
-                if include_usage:
-                    yield sse({**head, "object": "chat.completion.chunk", "choices": [], "usage": usage()})
-            except Exception as e:  # noqa: BLE001 - the status is sent already: report in-band
-                yield sse_error(e)
-            finally:
-                await stream.aclose()
-            yield SSE_DONE
+        def render(item):
+            for c in item[1].outputs:
+                choice = choices[c.index]
+                if choice.finish_reason is not None or (not c.text and not c.token_ids and c.finish_reason is None):
+                    continue
+                choice.num_tokens += len(c.token_ids)
+                lps = None
+                if logprobs is not None:
+                    lps = {"content": self._logprobs(c.token_ids, c.logprobs or [], logprobs)}
+                choice.finish_reason = c.finish_reason
+                if not c.text and c.finish_reason is None and lps is None:
+                    continue  # tokens whose text is held back (a partial character or stop string)
+                yield chunk(c.index, {"content": c.text} if c.text or c.finish_reason is None else {},
+                            c.finish_reason, c.stop_reason, lps)
 
-        return StreamingResponse(events(), media_type="text/event-stream")
+        roles = [chunk(i, {"role": "assistant", "content": ""}) for i in range(body.n)]
+        final = (lambda: sse({**head, "object": "chat.completion.chunk", "choices": [], "usage": usage()})
+                 ) if include_usage else None
+        events = sse_events(roles, first, stream, render, final)
+        return StreamingResponse(events, media_type="text/event-stream")
 
     def _logprobs(self, token_ids: list[int], positions: list, num: int) -> list[dict]:
         out = []

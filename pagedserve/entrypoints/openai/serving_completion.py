@@ -11,8 +11,8 @@ from starlette.requests import Request as HTTPRequest
 
 from pagedserve.entrypoints.openai.errors import OpenAIError
 from pagedserve.entrypoints.openai.protocol import CompletionRequest
-from pagedserve.entrypoints.openai.serving_base import (SSE_DONE, ServingBase, collect, first_output, sse,
-                                                        sse_error, usage_dict)
+from pagedserve.entrypoints.openai.serving_base import (ServingBase, collect, first_output, sse, sse_events,
+                                                        usage_dict)
 
 logger = logging.getLogger(__name__)
 
@@ -77,49 +77,35 @@ class ServingCompletion(ServingBase):
         first = await first_output(http, stream)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
-        async def events():
-            try:
-                item = first
-                while item is not None:
-                    i, out = item
-                    for c in out.outputs:
-                        index = i * n + c.index
-                        choice = choices[index]
-                        if choice.finish_reason is not None or (not c.text and not c.token_ids and
-                                                                 c.finish_reason is None):
-                            continue
-                        text = c.text
-                        if not choice.started:
-                            choice.started, text = True, echo[i] + text
-                            choice.text_offset = len(echo[i])
-                        choice.token_ids += c.token_ids
-                        logprobs = None
-                        if body.logprobs is not None:
-                            logprobs = self._logprobs(c.token_ids, c.logprobs or [], choice.text_offset, body.logprobs)
-                            choice.text_offset += sum(len(t) for t in logprobs["tokens"])
-                        if c.finish_reason is not None:
-                            choice.finish_reason = c.finish_reason
-                        elif not text and logprobs is None:
-                            continue  # tokens whose text is held back (a partial character or stop string)
-                        chunk = {**head, "choices": [{"index": index, "text": text, "logprobs": logprobs,
-                                                      "finish_reason": c.finish_reason,
-                                                      "stop_reason": c.stop_reason}]}
-                        if include_usage:
-                            chunk["usage"] = None
-                        yield sse(chunk)
-                    try:
-                        item = await anext(stream)
-                    except StopAsyncIteration:
-                        item = None
+        def render(item):
+            i, out = item
+            for c in out.outputs:
+                index = i * n + c.index
+                choice = choices[index]
+                if choice.finish_reason is not None or (not c.text and not c.token_ids and c.finish_reason is None):
+                    continue
+                text = c.text
+                if not choice.started:
+                    choice.started, text = True, echo[i] + text
+                    choice.text_offset = len(echo[i])
+                choice.token_ids += c.token_ids
+                logprobs = None
+                if body.logprobs is not None:
+                    logprobs = self._logprobs(c.token_ids, c.logprobs or [], choice.text_offset, body.logprobs)
+                    choice.text_offset += sum(len(t) for t in logprobs["tokens"])
+                if c.finish_reason is not None:
+                    choice.finish_reason = c.finish_reason
+                elif not text and logprobs is None:
+                    continue  # tokens whose text is held back (a partial character or stop string)
+                chunk = {**head, "choices": [{"index": index, "text": text, "logprobs": logprobs,
+                                              "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]}
                 if include_usage:
-                    yield sse({**head, "choices": [], "usage": usage()})
-            except Exception as e:  # noqa: BLE001 - the status is sent already: report in-band
-                yield sse_error(e)
-            finally:
-                await stream.aclose()
-            yield SSE_DONE
+                    chunk["usage"] = None
+                yield sse(chunk)
 
-        return StreamingResponse(events(), media_type="text/event-stream")
+        final = (lambda: sse({**head, "choices": [], "usage": usage()})) if include_usage else None
+        events = sse_events((), first, stream, render, final)
+        return StreamingResponse(events, media_type="text/event-stream")
 
     def _prompts(self, prompt) -> list[tuple[Optional[str], list[int]]]:
         if isinstance(prompt, str):

@@ -13,12 +13,11 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16.h"
+
 #define MAX_GROUP 16
 #define MAX_HEAD_DIM 256  /* also: MAX_GROUP * 128 <= MAX_GROUP * MAX_HEAD_DIM for the fast path's output */
 #define MAX_BLOCK 64
-#ifndef PREFETCH_AHEAD
-#define PREFETCH_AHEAD 2
-#endif
 
 /* One tile of block_size rows to float32. bf16 is the top half of a float32. */
 static inline void tile_to_f32(const void *src, int bf16, int64_t count, float *restrict dst) {
@@ -30,13 +29,6 @@ static inline void tile_to_f32(const void *src, int bf16, int64_t count, float *
     } else {
         memcpy(dst, src, sizeof(float) * (size_t)count);
     }
-}
-
-static inline float bf16_to_f32(uint16_t h) {
-    const uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
 }
 
 /* The first n tokens of a K tile [head_dim / pack][block_size][pack] as float32 rows [n][head_dim]. */
@@ -70,12 +62,18 @@ static inline float exp_nonpositive(float x) {
     return p * scale;
 }
 
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* NaN stays NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);                                            /* round to nearest even */
-    return (uint16_t)(u >> 16);
+/* Each of the group's score rows [len] (row g at scores + g * len, maximum maxs[g]) -> its softmax, in place. */
+static inline void softmax_rows(float *scores, const float *maxs, int64_t group, int64_t len) {
+    for (int64_t g = 0; g < group; ++g) {
+        float *sg = scores + g * len, m = maxs[g], sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t t = 0; t < len; ++t) {
+            sg[t] = exp_nonpositive(sg[t] - m);
+            sum += sg[t];
+        }
+        const float inv = sum > 0.f ? 1.f / sum : 0.f;
+        for (int64_t t = 0; t < len; ++t) sg[t] *= inv;
+    }
 }
 
 /* out[at : at + head_dim] = src * factor, rounded to the output dtype. */
@@ -186,16 +184,7 @@ static inline __attribute__((always_inline)) void item_avx512(
     const int64_t tile_bytes = tile * elem;
     scores_avx512(query, key_cache, table, len, scores, maxs, group, block_size, head_dim, tile_bytes, row0,
                   kv_stride, value_cache, scale, bf16);
-    for (int64_t g = 0; g < group; ++g) {
-        float *sg = scores + g * len, m = maxs[g], sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t t = 0; t < len; ++t) {
-            sg[t] = exp_nonpositive(sg[t] - m);
-            sum += sg[t];
-        }
-        const float inv = sum > 0.f ? 1.f / sum : 0.f;
-        for (int64_t t = 0; t < len; ++t) sg[t] *= inv;
-    }
+    softmax_rows(scores, maxs, group, len);
     for (int64_t t = 0; t < len; ++t) {
         const int64_t blk = table[t / block_size];
         const char *row = value_cache + ((blk * kv_stride) * tile + (t % block_size) * head_dim) * elem;
@@ -219,7 +208,7 @@ static inline __attribute__((always_inline)) int decode_item(
     {
         const int64_t b = work / kv_heads, h = work % kv_heads, len = context_lens[b];
         float q[MAX_GROUP][MAX_HEAD_DIM], acc[MAX_GROUP][MAX_HEAD_DIM], rows[MAX_BLOCK * MAX_HEAD_DIM];
-        float maxs[MAX_GROUP], sums[MAX_GROUP];
+        float maxs[MAX_GROUP];
         float *scores = malloc(sizeof(float) * (size_t)(group * (len > 0 ? len : 1)));
         if (!scores) return 1;
 #if defined(__AVX512F__)
@@ -247,7 +236,6 @@ static inline __attribute__((always_inline)) int decode_item(
                 acc[g][d] = 0.f;
             }
             maxs[g] = -INFINITY;
-            sums[g] = 0.f;
         }
         /* scores = q . k for every cached token, one block tile at a time */
         for (int64_t start = 0; start < len; start += block_size) {
@@ -265,15 +253,7 @@ static inline __attribute__((always_inline)) int decode_item(
                     maxs[g] = s > maxs[g] ? s : maxs[g];
                 }
         }
-        for (int64_t g = 0; g < group; ++g) {
-            float *sg = scores + g * len, m = maxs[g], sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-            for (int64_t t = 0; t < len; ++t) {
-                sg[t] = exp_nonpositive(sg[t] - m);
-                sum += sg[t];
-            }
-            sums[g] = sum;
-        }
+        softmax_rows(scores, maxs, group, len);
         /* out = softmax(scores) . v */
         for (int64_t start = 0; start < len; start += block_size) {
             const int64_t blk = block_tables[b * max_blocks + start / block_size];
@@ -288,8 +268,7 @@ static inline __attribute__((always_inline)) int decode_item(
                 }
         }
         for (int64_t g = 0; g < group; ++g)
-            store_row(out, (b * num_heads + h * group + g) * head_dim, acc[g], sums[g] > 0.f ? 1.f / sums[g] : 0.f,
-                      head_dim, bf16);
+            store_row(out, (b * num_heads + h * group + g) * head_dim, acc[g], 1.f, head_dim, bf16);
         free(scores);
     }
     return 0;

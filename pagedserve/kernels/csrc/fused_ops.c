@@ -11,23 +11,10 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "bf16.h"
+
 /* Below this many elements a single thread is faster than waking the pool. */
 #define PARALLEL_MIN_ELEMS 32768
-
-static inline float bf16_to_f32(uint16_t h) {
-    const uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* NaN stays NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);                                            /* round to nearest even */
-    return (uint16_t)(u >> 16);
-}
 
 /* Element i of a bf16 or f32 array, as float32. */
 static inline float load_at(const void *p, int64_t i, int bf16) {

@@ -1,0 +1,24 @@
+/* bfloat16 <-> float32 for the CPU kernels. bf16 is the top half of a float32; rounding is to nearest even,
+ * as torch rounds. (Included by the kernel sources; kernels/build.py rebuilds them when this file changes.) */
+#ifndef PAGEDSERVE_BF16_H
+#define PAGEDSERVE_BF16_H
+
+#include <stdint.h>
+#include <string.h>
+
+static inline float bf16_to_f32(uint16_t h) {
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* NaN stays NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);                                            /* round to nearest even */
+    return (uint16_t)(u >> 16);
+}
+
+#endif
