@@ -37,6 +37,8 @@ class RequestMetrics:
     first_token_time: Optional[float] = None
     finished_time: Optional[float] = None
     num_preemptions: int = 0
+    first_scheduled_time: Optional[float] = None
+    """When the scheduler first ran the request (of its first child, with n > 1)."""
 
     @property
     def time_to_first_token(self) -> Optional[float]:

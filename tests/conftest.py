@@ -74,7 +74,17 @@ def default_model_path() -> str:
 
 
 def assert_no_leaked_blocks(engine) -> None:
-    """Every KV block is back in the pool and nothing is left queued."""
+    """Every KV block is back in the pool and nothing is left queued (an LLMEngine, or an AsyncLLM whose core
+    runs in its own process: then the core is asked for a fresh snapshot, when it is still running)."""
+    from pagedserve.engine.async_llm import AsyncLLM
+
+    if isinstance(engine, AsyncLLM):
+        assert not engine.output_processor.requests and not engine._targets
+        if engine.is_alive():
+            stats = engine.core_stats()
+            assert stats.num_running == stats.num_waiting == stats.num_requests_holding_blocks == 0
+            assert stats.num_free_blocks == stats.num_blocks > 0
+        return
     assert not engine.has_unfinished_requests()
     assert engine.kv_cache_manager.num_free_blocks == engine.kv_cache_manager.num_blocks
     assert not engine.kv_cache_manager.req_to_blocks

@@ -1,27 +1,36 @@
-"""AsyncLLM: one engine thread owns the LLMEngine; asyncio code talks to it through a command queue.
+"""AsyncLLM: the server's front end. The engine core steps in a process of its own; this side tokenizes,
+detokenizes and hands each request its outputs.
 
-    event loop(s)                          engine thread
-    generate() --("add", id, ...)-->  command queue  --> engine.add_request / abort_request
-    per-request asyncio.Queue  <--call_soon_threadsafe--  engine.step() outputs (deltas)
+    event loop(s)                                    engine-core process (core_proc.py)
+    generate(): InputProcessor -> ("add", ...)  --->  schedule, step, stop checks on ids
+    per-request asyncio.Queue <- OutputProcessor <--- reader thread <--- ("outputs", ids, stats)
 
-The engine thread sleeps on the command queue while there is nothing to run, and otherwise alternates
-"apply every pending command" and "one step". After each step it publishes an `EngineStats` snapshot and
-hands the step's `IterationStats` to the stat loggers (called on the engine thread; they must be thread-safe,
-as prometheus-client metrics are).
+The reader thread (core_client.py) runs the OutputProcessor (text, stop strings, n children), publishes the
+core's `EngineStats` snapshot, hands the step's `IterationStats` to the stat loggers (called on that thread:
+they must be thread-safe, as prometheus-client metrics are), and delivers each delta `RequestOutput` to its
+request's queue with `loop.call_soon_threadsafe`. One lock guards the front-end state that both the event
+loops (add, abort) and the reader thread touch. If the core process dies, every request in flight gets
+EngineDeadError and `is_alive()` turns False.
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
+import dataclasses
 import logging
-import queue
 import threading
 import time
 import uuid
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable, Optional
 
-from pagedserve.engine.llm_engine import LLMEngine, PromptType
+from pagedserve.config import EngineConfig
+from pagedserve.engine.core import QueueFullError
+from pagedserve.engine.core_client import EngineCoreClient
+from pagedserve.engine.input_processor import InputProcessor, PromptType
+from pagedserve.engine.output_processor import OutputProcessor
+from pagedserve.loader.model_loader import load_tokenizer
 from pagedserve.metrics.stats import EngineStats, IterationStats, StatsTracker
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
@@ -30,13 +39,11 @@ logger = logging.getLogger(__name__)
 
 StatLogger = Callable[[EngineStats, IterationStats], None]
 
+__all__ = ["AsyncLLM", "EngineDeadError", "QueueFullError"]
+
 
 class EngineDeadError(RuntimeError):
-    """The engine thread has stopped (shut down, or crashed); no request can run."""
-
-
-class QueueFullError(RuntimeError):
-    """More requests are waiting to be scheduled than max_num_queued_requests allows."""
+    """The engine core has stopped (shut down, crashed or killed); no request can run."""
 
 
 @dataclass
@@ -52,50 +59,76 @@ class _Target:
 
 
 class AsyncLLM:
-    def __init__(self, engine: LLMEngine, max_num_queued_requests: Optional[int] = None,
+    def __init__(self, config: EngineConfig, max_num_queued_requests: Optional[int] = None,
                  stat_loggers: Optional[list[StatLogger]] = None) -> None:
         if max_num_queued_requests is not None and max_num_queued_requests < 0:
             raise ValueError(f"max_num_queued_requests must be >= 0, got {max_num_queued_requests}")
-        self.engine = engine
         self.max_num_queued_requests = max_num_queued_requests
         self.stat_loggers: list[StatLogger] = list(stat_loggers or [])
         self.stats = EngineStats()
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._targets: dict[str, _Target] = {}  # engine thread only
-        self._tracker = StatsTracker()  # engine thread only
-        self._error: Optional[BaseException] = None
-        self._stopping = False
-        self._thread = threading.Thread(target=self._run, name="pagedserve-engine", daemon=True)
-        self._thread.start()
+        self._lock = threading.Lock()
+        self._targets: dict[str, _Target] = {}
+        self._tracker = StatsTracker()
+        self._shutting_down = False
+        self._dead_reason: Optional[str] = None
+        # The core loads the model in its process while this one loads the tokenizer.
+        core_config = dataclasses.replace(
+            config, model_config=dataclasses.replace(config.model_config, skip_tokenizer_init=True))
+        self._client = EngineCoreClient(core_config, self._on_outputs, self._on_dead)
+        try:
+            self.tokenizer = load_tokenizer(config.model_config)
+            self.info = self._client.wait_ready()
+        except BaseException:
+            self._client.shutdown(timeout=5)
+            raise
+        eos = set(self.info.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        # Requests are tokenized on the event loop while the reader thread detokenizes: one tokenizer each.
+        self.input_processor = InputProcessor(copy.deepcopy(self.tokenizer), self.info.vocab_size,
+                                              self.info.max_model_len, frozenset(eos))
+        self.output_processor = OutputProcessor(self.tokenizer)
 
     @classmethod
     def from_kwargs(cls, max_num_queued_requests: Optional[int] = None, **engine_kwargs) -> "AsyncLLM":
-        return cls(LLMEngine.from_kwargs(**engine_kwargs), max_num_queued_requests)
-
-    @property
-    def tokenizer(self):
-        return self.engine.tokenizer
+        return cls(EngineConfig.from_kwargs(**engine_kwargs), max_num_queued_requests)
 
     @property
     def max_model_len(self) -> int:
-        return self.engine.max_model_len
+        return self.info.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.info.vocab_size
 
     def is_alive(self) -> bool:
-        return self._thread.is_alive() and not self._stopping
+        return self._dead_reason is None and not self._shutting_down and self._client.is_alive()
+
+    def has_unfinished_requests(self) -> bool:
+        """Whether any request is still in flight on the front end or, as last reported, in the core."""
+        return bool(self._targets) or self.stats.num_running + self.stats.num_waiting > 0
+
+    def core_stats(self, timeout: float = 10.0) -> EngineStats:
+        """A fresh snapshot from the core, taken after every message sent before this call."""
+        return self._client.call("stats", timeout)
+
+    def reset_prefix_cache(self, timeout: float = 10.0) -> bool:
+        """Forget the core's prefix cache; False while requests hold blocks."""
+        return self._client.call("reset_prefix_cache", timeout)
 
     # -- the asyncio side ----------------------------------------------------------------------------------
 
     async def generate(self, prompt: PromptType, params: Optional[SamplingParams] = None,
                        request_id: Optional[str] = None) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs as deltas (new text and tokens since the last one); the last has
-        finished=True. Raises ValueError when the engine rejects the request, QueueFullError, or
+        finished=True. Raises ValueError when the request is invalid or rejected, QueueFullError, or
         EngineDeadError. If the consumer stops early (break, aclose, cancellation: a client disconnect), the
         request is aborted and its KV blocks freed."""
         if not self.is_alive():
-            raise EngineDeadError("the engine is not running") from self._error
+            raise EngineDeadError(f"the engine is not running ({self._dead_reason or 'shut down'})")
         request_id = request_id or uuid.uuid4().hex
         target = _Target(asyncio.get_running_loop(), asyncio.Queue())
-        self._commands.put(("add", request_id, prompt, params or SamplingParams(), target, time.time()))
+        self._add(request_id, prompt, params or SamplingParams(), target)
         finished = False
         try:
             while True:
@@ -109,95 +142,74 @@ class AsyncLLM:
                     return
         finally:
             if not finished:
-                self._commands.put(("abort", request_id))
+                self.abort(request_id)
+
+    def _add(self, request_id: str, prompt: PromptType, params: SamplingParams, target: _Target) -> None:
+        request = self.input_processor.process(request_id, prompt, params)
+        with self._lock:
+            if request_id in self._targets:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            self.output_processor.add_request(request_id, request.prompt, request.prompt_token_ids, request.params,
+                                              request.child_ids, True, request.arrival_time)
+            self._targets[request_id] = target
+            self._tracker.add(request_id, request.arrival_time, len(request.prompt_token_ids))
+        self._client.send(("add", request_id, request.children, self.max_num_queued_requests))
 
     def abort(self, request_id: str) -> None:
         """Abort a request (thread-safe; unknown or finished ids are ignored)."""
-        self._commands.put(("abort", request_id))
+        with self._lock:
+            if self._targets.pop(request_id, None) is None:
+                return
+            children = self.output_processor.child_ids(request_id)
+            self.output_processor.abort_request(request_id)
+            self._tracker.drop(request_id)
+        self._client.send(("abort", children))
 
     def shutdown(self, timeout: Optional[float] = 10.0) -> None:
-        """Abort everything still running, stop the engine thread and wait for it."""
-        if self._thread.is_alive():
-            self._commands.put(("shutdown",))
-            self._thread.join(timeout)
-        self._stopping = True
+        """Abort everything still running, stop the engine core and wait for it."""
+        self._shutting_down = True
+        self._client.shutdown(timeout)
 
-    # -- the engine thread ---------------------------------------------------------------------------------
+    # -- the reader thread ---------------------------------------------------------------------------------
 
-    def _run(self) -> None:
-        try:
-            while True:
-                busy = self.engine.has_unfinished_requests()
-                commands = [] if busy else [self._commands.get()]  # idle: sleep until there is work
-                while True:
-                    try:
-                        commands.append(self._commands.get_nowait())
-                    except queue.Empty:
-                        break
-                for command in commands:
-                    if command[0] == "shutdown":
-                        self._abort_all(EngineDeadError("the engine was shut down"))
-                        return
-                    self._apply(command)
-                outputs = self.engine.step() if self.engine.has_unfinished_requests() else []
-                # Stats first, so that a client that has its last output also sees it counted.
-                self._publish(self._tracker.record(outputs))
-                for output in outputs:
-                    target = self._targets.get(output.request_id)
-                    if output.finished:
-                        self._targets.pop(output.request_id, None)
-                    if target is not None:
-                        target.put(output)
-        except BaseException as e:  # noqa: BLE001 - anything that kills the loop is reported to every waiter
-            logger.exception("engine loop died")
-            self._error = e
-            dead = EngineDeadError(f"the engine loop died: {e!r}")
-            for target in self._targets.values():
-                target.put(dead)
-            self._targets.clear()
-        finally:
-            self._stopping = True
-            self.stats = EngineStats()
-
-    def _apply(self, command: tuple) -> None:
-        if command[0] == "abort":
-            request_id = command[1]
-            if self._targets.pop(request_id, None) is not None:
-                self.engine.abort_request(request_id)
+    def _on_outputs(self, core_outputs, stats: EngineStats, rejections) -> None:
+        deliveries = []
+        with self._lock:
+            for request_id, error in rejections:
+                self.output_processor.abort_request(request_id)
                 self._tracker.drop(request_id)
-            return
-        _, request_id, prompt, params, target, arrival_time = command
-        queued = self.engine.scheduler.num_waiting
-        if self.max_num_queued_requests is not None and queued + params.n > self.max_num_queued_requests:
-            target.put(QueueFullError(f"{queued} requests are waiting to be scheduled; the limit is "
-                                      f"max_num_queued_requests={self.max_num_queued_requests}"))
-            return
-        if request_id in self._targets:
-            target.put(ValueError(f"request id {request_id!r} is already in use"))
-            return
-        try:
-            self.engine.add_request(request_id, prompt, params, stream=True, arrival_time=arrival_time)
-        except ValueError as e:
-            target.put(e)
-            return
-        self._targets[request_id] = target
-        state = self.engine.output_processor.requests[request_id]
-        first_child = self.engine.scheduler.requests.get(next(iter(state.children)))
-        self._tracker.add(request_id, arrival_time, len(state.prompt_token_ids), first_child)
-
-    def _abort_all(self, error: BaseException) -> None:
-        for request_id, target in list(self._targets.items()):
-            self.engine.abort_request(request_id)
-            self._tracker.drop(request_id)
-            target.put(error)
-        self._targets.clear()
-
-    def _publish(self, iteration: IterationStats) -> None:
-        scheduler, kv = self.engine.scheduler, self.engine.kv_cache_manager
-        self.stats = EngineStats(scheduler.num_running, scheduler.num_waiting, kv.usage(),
-                                 scheduler.num_preemptions_total, kv.prefix_cache_queries, kv.prefix_cache_hits)
+                deliveries.append((self._targets.pop(request_id, None), error))
+            outputs, stopped = self.output_processor.process(core_outputs)
+            iteration = self._tracker.record(outputs)
+            for output in outputs:
+                target = self._targets.pop if output.finished else self._targets.get
+                deliveries.append((target(output.request_id, None), output))
+        for child_id, stop_string in stopped:
+            self._client.send(("stop", child_id, stop_string))
+        # Stats first, so that a client that has its last output also sees it counted.
+        self.stats = stats
         for stat_logger in self.stat_loggers:
             try:
-                stat_logger(self.stats, iteration)
+                stat_logger(stats, iteration)
             except Exception:  # noqa: BLE001 - metrics must never take the engine down
                 logger.exception("stat logger failed")
+        for target, item in deliveries:
+            if target is not None:
+                target.put(item)
+
+    def _on_dead(self, reason: str) -> None:
+        if self._shutting_down:
+            error = EngineDeadError("the engine was shut down")
+        else:
+            logger.error("engine core died: %s", reason)
+            error = EngineDeadError(f"the engine core died: {reason}")
+        self._dead_reason = reason
+        with self._lock:
+            targets = list(self._targets.items())
+            self._targets.clear()
+            for request_id, _ in targets:
+                self.output_processor.abort_request(request_id)
+                self._tracker.drop(request_id)
+        self.stats = EngineStats()
+        for _, target in targets:
+            target.put(error)

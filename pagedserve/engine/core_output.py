@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Optional, Union
 
 
-@dataclass
+@dataclass(slots=True)
 class EngineCoreOutput:
     request_id: str
     new_token_id: int
@@ -17,3 +17,5 @@ class EngineCoreOutput:
     num_preemptions: int = 0
     num_cached_tokens: int = 0
     """Prompt tokens whose KV came from the prefix cache."""
+    first_scheduled_time: Optional[float] = None
+    """On a request's first output only: when the scheduler first ran it (queue-time metrics)."""

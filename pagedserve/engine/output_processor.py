@@ -91,6 +91,8 @@ class OutputProcessor:
                 state.metrics.first_token_time = now
             state.metrics.num_preemptions = max(state.metrics.num_preemptions, out.num_preemptions)
             state.num_cached_tokens = max(state.num_cached_tokens, out.num_cached_tokens)
+            if out.first_scheduled_time is not None and child.index == 0:
+                state.metrics.first_scheduled_time = out.first_scheduled_time
             child.token_ids.append(out.new_token_id)
             if out.logprobs is not None and child.logprobs is not None:
                 self._add_logprobs(child, out.logprobs)

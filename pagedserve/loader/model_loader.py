@@ -102,23 +102,33 @@ def load_model(config: ModelConfig) -> LoadedModel:
     model.rotary.to(device)
     model.load_weights(checkpoint.iter_weights(dtype))
     model.eval()
-    tokenizer = None
-    if not config.skip_tokenizer_init:
-        if config.tokenizer:
-            from transformers import AutoTokenizer
+    tokenizer = load_tokenizer(config, checkpoint)
+    eos = eos_token_ids(checkpoint, hf_config, tokenizer)
+    seconds = time.perf_counter() - start
+    logger.info("loaded %s (%s, %s on %s) in %.1f s", config.model or "default model", model_cls.__name__,
+                str(dtype).removeprefix("torch."), device, seconds)
+    return LoadedModel(model, hf_config, tokenizer, eos, dtype, device, max_model_len, seconds)
 
-            tokenizer = AutoTokenizer.from_pretrained(config.tokenizer)
-        else:
-            tokenizer = checkpoint.tokenizer()
+
+def load_tokenizer(config: ModelConfig, checkpoint=None):
+    """The model's tokenizer (config.tokenizer overrides the checkpoint's); None with skip_tokenizer_init."""
+    if config.skip_tokenizer_init:
+        return None
+    if config.tokenizer:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(config.tokenizer)
+    return (checkpoint or open_checkpoint(config.model)).tokenizer()
+
+
+def eos_token_ids(checkpoint, hf_config, tokenizer=None) -> frozenset[int]:
+    """End-of-sequence ids from generation_config, the model config and the tokenizer (when there is one)."""
     eos = set(getattr(checkpoint, "generation_eos_token_ids", lambda: set())())
     eos_config = getattr(hf_config, "eos_token_id", None)
     eos |= set(eos_config if isinstance(eos_config, list) else [] if eos_config is None else [eos_config])
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         eos.add(tokenizer.eos_token_id)
-    seconds = time.perf_counter() - start
-    logger.info("loaded %s (%s, %s on %s) in %.1f s", config.model or "default model", model_cls.__name__,
-                str(dtype).removeprefix("torch."), device, seconds)
-    return LoadedModel(model, hf_config, tokenizer, frozenset(eos), dtype, device, max_model_len, seconds)
+    return frozenset(eos)
 
 
 def context_length(hf_config, requested: Optional[int]) -> int:

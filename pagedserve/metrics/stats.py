@@ -23,6 +23,9 @@ class EngineStats:
     num_preemptions_total: int = 0
     prefix_cache_queries_total: int = 0
     prefix_cache_hits_total: int = 0
+    num_requests_holding_blocks: int = 0
+    num_free_blocks: int = 0
+    num_blocks: int = 0
 
 
 @dataclass(frozen=True)
@@ -49,19 +52,18 @@ class IterationStats:
 class _Tracked:
     arrival_time: float
     num_prompt_tokens: int
-    first_child: object  # the core Request of child 0: its first_scheduled_time is stamped by the scheduler
     num_generation_tokens: int = 0
     last_token_time: Optional[float] = None
 
 
 class StatsTracker:
-    """Per-request timing state, on the engine thread. Aborted requests are dropped without a record."""
+    """Per-request timing state, on the thread that processes outputs. Aborted requests are dropped without a record."""
 
     def __init__(self) -> None:
         self._requests: dict[str, _Tracked] = {}
 
-    def add(self, request_id: str, arrival_time: float, num_prompt_tokens: int, first_child) -> None:
-        self._requests[request_id] = _Tracked(arrival_time, num_prompt_tokens, first_child)
+    def add(self, request_id: str, arrival_time: float, num_prompt_tokens: int) -> None:
+        self._requests[request_id] = _Tracked(arrival_time, num_prompt_tokens)
 
     def drop(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
@@ -84,7 +86,7 @@ class StatsTracker:
             stats.num_generation_tokens += new_tokens
             if out.finished:
                 del self._requests[out.request_id]
-                scheduled = getattr(tracked.first_child, "first_scheduled_time", None)
+                scheduled = out.metrics.first_scheduled_time
                 stats.finished.append(FinishedRequestStats(
                     out.outputs[0].finish_reason or "stop", now - tracked.arrival_time,
                     None if scheduled is None else max(0.0, scheduled - tracked.arrival_time),

@@ -18,9 +18,9 @@ PROMPTS = ["The quick brown fox", "Paged attention stores", "Hello, world.", "Co
 
 def wait_idle(async_llm: AsyncLLM, timeout: float = 5.0) -> None:
     deadline = time.monotonic() + timeout
-    while async_llm.engine.has_unfinished_requests() and time.monotonic() < deadline:
+    while async_llm.has_unfinished_requests() and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert_no_leaked_blocks(async_llm.engine)
+    assert_no_leaked_blocks(async_llm)
 
 
 @pytest.fixture(scope="module")
@@ -129,15 +129,65 @@ def test_stats_snapshot_and_stat_loggers(async_llm):
     assert async_llm.stats.num_running == 0 and async_llm.stats.kv_cache_usage == 0.0
 
 
-def test_idle_engine_thread_sleeps(async_llm):
+def test_idle_front_end_and_engine_core_process_sleep(async_llm):
     import psutil
 
-    process = psutil.Process()
-    time.sleep(0.05)
-    before = process.cpu_times()
-    time.sleep(0.5)
-    after = process.cpu_times()
-    assert (after.user + after.system) - (before.user + before.system) < 0.1
+    for process in (psutil.Process(), psutil.Process(async_llm._client.process.pid)):
+        time.sleep(0.05)
+        before = process.cpu_times()
+        time.sleep(0.5)
+        after = process.cpu_times()
+        assert (after.user + after.system) - (before.user + before.system) < 0.1
+
+
+def test_engine_core_runs_in_its_own_process(async_llm):
+    import os
+
+    assert async_llm._client.process.pid != os.getpid() and async_llm._client.process.is_alive()
+    assert async_llm.core_stats().num_blocks > 0
+
+
+def test_killed_engine_core_fails_in_flight_requests_and_refuses_new_ones(tiny_llama_dir):
+    import os
+    import signal
+
+    async_llm = AsyncLLM.from_kwargs(model=tiny_llama_dir, **ENGINE)
+    params = SamplingParams(temperature=0, max_tokens=250, ignore_eos=True)
+
+    async def main():
+        gen = async_llm.generate("Hello", params)
+        await gen.__anext__()
+        os.kill(async_llm._client.process.pid, signal.SIGKILL)
+        with pytest.raises(EngineDeadError, match="died"):
+            await asyncio.wait_for(collect_rest(gen), timeout=10)
+
+    async def collect_rest(gen):
+        async for _ in gen:
+            pass
+
+    try:
+        asyncio.run(main())
+        assert not async_llm.is_alive()
+        assert not async_llm.output_processor.requests and not async_llm.has_unfinished_requests()
+        with pytest.raises(EngineDeadError):
+            asyncio.run(collect(async_llm, "Hello", params))
+    finally:
+        async_llm.shutdown()
+
+
+def test_engine_core_start_up_error_is_raised_with_its_reason(tiny_llama_dir):
+    with pytest.raises(RuntimeError, match="needs more KV cache than there is"):
+        AsyncLLM.from_kwargs(model=tiny_llama_dir, dtype="float32", kv_cache_memory_bytes=1 << 16, max_model_len=256)
+
+
+def test_stop_strings_seen_by_the_front_end_finish_the_core_request(async_llm, offline):
+    greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    full = offline.generate("The quick brown fox", greedy, use_tqdm=False)[0].outputs[0].text
+    stop = full[len(full) // 2:len(full) // 2 + 3]
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=[stop])
+    text, _, outputs = asyncio.run(collect(async_llm, "The quick brown fox", params))
+    assert text == full[:full.index(stop)] and outputs[-1].outputs[0].finish_reason == "stop"
+    wait_idle(async_llm)
 
 
 def test_queue_limit_rejects_without_losing_admitted_requests(tiny_llama_dir):
@@ -177,6 +227,6 @@ def test_shutdown_ends_in_flight_requests_and_refuses_new_ones(tiny_llama_dir):
 
     asyncio.run(main())
     assert not async_llm.is_alive()
-    assert_no_leaked_blocks(async_llm.engine)
+    assert_no_leaked_blocks(async_llm)
     with pytest.raises(EngineDeadError):
         asyncio.run(collect(async_llm, "Hello", params))

@@ -53,7 +53,7 @@ class ServingBase:
         # The HTTP side tokenizes with its own copy: the engine thread's detokenizers use the original.
         self.tokenizer = copy.deepcopy(async_llm.tokenizer) if async_llm.tokenizer is not None else None
         self.max_model_len = async_llm.max_model_len
-        self.vocab_size = async_llm.engine.loaded.hf_config.vocab_size
+        self.vocab_size = async_llm.vocab_size
 
     # -- checks ------------------------------------------------------------------------------------------------
 

@@ -28,12 +28,12 @@ class LiveServer:
 
     @property
     def engine(self):
-        return self.async_llm.engine
+        return self.async_llm
 
     def wait_idle(self, timeout: float = 5.0) -> float:
         """Seconds until the engine has nothing left running (fails after `timeout`)."""
         start = time.monotonic()
-        while self.engine.has_unfinished_requests() or self.async_llm.stats.num_running:
+        while self.async_llm.has_unfinished_requests():
             assert time.monotonic() - start < timeout, "requests still running"
             time.sleep(0.01)
         return time.monotonic() - start

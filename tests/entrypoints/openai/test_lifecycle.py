@@ -125,6 +125,30 @@ def test_health_is_503_and_requests_fail_when_the_engine_is_dead(tiny_llama_dir)
         assert r.status_code == 503 and set(r.json()["error"]) == {"message", "type", "param", "code"}
 
 
+def test_a_killed_engine_core_ends_streams_with_503_and_health_turns_503(tiny_llama_dir):
+    from live_server import start_server
+
+    live = start_server(tiny_llama_dir)
+    try:
+        with httpx.stream("POST", live.url + "/v1/completions", timeout=30,
+                          json={"prompt": "Hello", "max_tokens": 250, "temperature": 0, "ignore_eos": True,
+                                "stream": True}) as r:
+            lines = r.iter_lines()
+            assert next(line for line in lines if line.startswith("data:"))
+            os.kill(live.async_llm._client.process.pid, signal.SIGKILL)
+            rest = [line for line in lines if line.startswith("data:")]
+        assert rest[-1] == "data: [DONE]"
+        error = json.loads(rest[-2][6:])["error"]
+        assert error["code"] == "engine_dead" and "died" in error["message"]
+        health = httpx.get(live.url + "/health")
+        assert health.status_code == 503 and health.json()["error"]["code"] == "engine_dead"
+        r = httpx.post(live.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
+        assert not live.async_llm.has_unfinished_requests()
+    finally:
+        live.stop()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

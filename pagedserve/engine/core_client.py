@@ -1,0 +1,124 @@
+"""The front end's handle on the engine-core process (core_proc.py): start it, send it messages, and read
+what it sends back on a thread of its own.
+
+The reader thread hands every ("outputs", ...) message to `on_outputs(outputs, stats, rejections)` and calls
+`on_dead(reason)` once when the pipe closes (the core exited, crashed or was killed), so that the front end
+fails what is in flight instead of waiting forever.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import multiprocessing
+import pickle
+import threading
+from concurrent.futures import Future
+from typing import Callable, Optional
+
+from pagedserve.config import EngineConfig
+from pagedserve.engine.core import CoreInfo
+from pagedserve.engine.core_proc import run_engine_core
+
+logger = logging.getLogger(__name__)
+
+
+class EngineCoreClient:
+    def __init__(self, config: EngineConfig, on_outputs: Callable, on_dead: Callable[[str], None]) -> None:
+        """Start the engine-core process; `wait_ready()` then waits for its model to load."""
+        context = multiprocessing.get_context("spawn")  # never fork a process that may hold OpenMP threads
+        self._conn, child_conn = context.Pipe(duplex=True)
+        self.process = context.Process(target=run_engine_core, name="pagedserve-engine-core", daemon=True,
+                                       args=(config, child_conn, logging.getLogger("pagedserve").getEffectiveLevel()))
+        self.process.start()
+        child_conn.close()
+        self._on_outputs, self._on_dead = on_outputs, on_dead
+        self._send_lock = threading.Lock()
+        self._calls: dict[int, Future] = {}
+        self._call_ids = itertools.count()
+        self._dead = False
+        self._reader: Optional[threading.Thread] = None
+
+    def wait_ready(self) -> CoreInfo:
+        """Block until the core has loaded its model; its start-up error is raised here as a RuntimeError."""
+        try:
+            kind, payload = self._conn.recv()
+        except EOFError:
+            self.process.join(5)
+            raise RuntimeError(f"the engine-core process exited during start-up (exit code "
+                               f"{self.process.exitcode})") from None
+        if kind != "ready":
+            self.process.join(5)
+            raise RuntimeError(f"the engine core failed to start:\n{payload}")
+        self._reader = threading.Thread(target=self._read, name="pagedserve-core-reader", daemon=True)
+        self._reader.start()
+        return payload
+
+    # -- to the core ---------------------------------------------------------------------------------------
+
+    def send(self, message: tuple) -> None:
+        """Send a message (thread-safe). Sending to a dead core is a no-op: on_dead has told the waiters."""
+        data = pickle.dumps(message, pickle.HIGHEST_PROTOCOL)
+        with self._send_lock:
+            if self._dead:
+                return
+            try:
+                self._conn.send_bytes(data)
+            except (BrokenPipeError, ConnectionResetError, OSError):
+                pass  # the reader sees the closed pipe and reports it
+
+    def call(self, name: str, timeout: Optional[float] = 10.0):
+        """Run a core method (core_proc.CALLABLE) between steps and return its result."""
+        future: Future = Future()
+        call_id = next(self._call_ids)
+        self._calls[call_id] = future
+        self.send(("call", call_id, name))
+        if self._dead and self._calls.pop(call_id, None) is not None and not future.done():
+            future.set_exception(RuntimeError("the engine core is not running"))
+        return future.result(timeout)
+
+    # -- from the core -------------------------------------------------------------------------------------
+
+    def _read(self) -> None:
+        reason = "the engine-core process closed its pipe"
+        try:
+            while True:
+                message = pickle.loads(self._conn.recv_bytes())
+                if message[0] == "outputs":
+                    self._on_outputs(*message[1:])
+                elif message[0] == "reply":
+                    future = self._calls.pop(message[1], None)
+                    if future is not None:
+                        (future.set_exception if isinstance(message[2], BaseException) else future.set_result)(
+                            message[2])
+        except (EOFError, OSError):
+            self.process.join(1)
+            reason = f"the engine-core process exited (exit code {self.process.exitcode})"
+        except BaseException as e:  # noqa: BLE001 - a front-end bug must still fail the waiters
+            logger.exception("engine-core reader failed")
+            reason = f"the engine-core reader failed: {e!r}"
+        finally:
+            with self._send_lock:
+                self._dead = True
+            for future in self._calls.values():
+                future.set_exception(RuntimeError(reason))
+            self._calls.clear()
+            self._on_dead(reason)
+
+    # -- lifetime ------------------------------------------------------------------------------------------
+
+    def is_alive(self) -> bool:
+        return not self._dead and self.process.is_alive()
+
+    def shutdown(self, timeout: Optional[float] = 10.0) -> None:
+        """Ask the core to abort everything and exit; kill it if it has not within `timeout`."""
+        if self.process.is_alive():
+            self.send(("shutdown",))
+            self.process.join(timeout)
+            if self.process.is_alive():
+                logger.warning("engine core did not exit within %s s; killing it", timeout)
+                self.process.kill()
+                self.process.join(5)
+        if self._reader is not None and self._reader is not threading.current_thread():
+            self._reader.join(5)
+        self._conn.close()

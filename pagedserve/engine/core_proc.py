@@ -1,0 +1,88 @@
+"""The engine-core process: an EngineCore stepping in a process of its own, talking over one pipe.
+
+    front end (API process)                       engine-core process
+    CoreClient.add/abort/stop/call --pickled--> run_engine_core: apply every pending message, step once
+    CoreClient reader thread   <----pickled---- ("outputs", [EngineCoreOutput], EngineStats, rejections)
+
+Messages in: ("add", parent_id, [Request], max_num_waiting), ("abort", [child ids]),
+("stop", child_id, stop_string), ("call", call_id, method name), ("shutdown",).
+Messages out: ("ready", CoreInfo) or ("failed", traceback text) once, then ("outputs", outputs, stats,
+rejections) after every step or rejected add (rejections: [(parent_id, exception)]) and ("reply", call_id,
+value or exception). The core never waits on its client: it sleeps on the pipe only when it has nothing to
+run, and exits when the pipe closes (its front end is gone) or on "shutdown".
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import signal
+import traceback
+from multiprocessing.connection import Connection
+
+from pagedserve.config import EngineConfig
+from pagedserve.core.request import RequestStatus
+
+logger = logging.getLogger(__name__)
+
+CALLABLE = ("reset_prefix_cache", "stats")
+"""EngineCore methods a front end may call by name."""
+
+
+def run_engine_core(config: EngineConfig, conn: Connection, log_level: int = logging.INFO) -> None:
+    """The engine-core process's main function (multiprocessing target)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the front end, which shuts us down
+    logging.basicConfig(level=log_level, format="%(levelname)s %(name)s (engine core): %(message)s")
+    try:
+        from pagedserve.engine.core import EngineCore
+
+        core = EngineCore(config)
+    except BaseException:  # noqa: BLE001 - the front end re-raises it with this text
+        conn.send(("failed", traceback.format_exc()))
+        return
+    conn.send(("ready", core.info))
+    try:
+        _loop(core, conn)
+    except (EOFError, BrokenPipeError, ConnectionResetError):
+        logger.info("front end gone; engine core exits")
+
+
+def _loop(core, conn: Connection) -> None:
+    while True:
+        rejections: list = []
+        if not core.has_unfinished_requests():
+            conn.poll(None)  # idle: sleep until there is a message
+        while conn.poll(0):
+            message = pickle.loads(conn.recv_bytes())
+            if message[0] == "shutdown":
+                core.finish_requests(list(core.scheduler.requests))
+                return
+            _apply(core, conn, message, rejections)
+        outputs = core.step() if core.has_unfinished_requests() else []
+        # Every pass either stepped or applied messages: the front end gets the outputs and fresh gauges.
+        conn.send_bytes(pickle.dumps(("outputs", outputs, core.stats(), rejections), pickle.HIGHEST_PROTOCOL))
+
+
+def _apply(core, conn: Connection, message: tuple, rejections: list) -> None:
+    kind = message[0]
+    if kind == "add":
+        _, parent_id, children, max_num_waiting = message
+        try:
+            core.add_requests(children, max_num_waiting)
+        except Exception as e:  # noqa: BLE001 - ValueError / QueueFullError go back to the one request
+            rejections.append((parent_id, e))
+    elif kind == "abort":
+        core.finish_requests(message[1])
+    elif kind == "stop":
+        core.finish_requests([message[1]], RequestStatus.FINISHED_STOPPED, stop_reason=message[2])
+    elif kind == "call":
+        _, call_id, name = message
+        try:
+            if name not in CALLABLE:
+                raise ValueError(f"the engine core has no callable {name!r}")
+            reply = getattr(core, name)()
+        except Exception as e:  # noqa: BLE001 - raised again on the caller's side
+            reply = e
+        conn.send_bytes(pickle.dumps(("reply", call_id, reply), pickle.HIGHEST_PROTOCOL))
+    else:
+        raise ValueError(f"unknown engine-core message {kind!r}")
