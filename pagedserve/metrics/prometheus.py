@@ -1,6 +1,6 @@
 """Prometheus metrics with vLLM's names under the `pagedserve:` prefix, in a registry of the app's own.
 
-`PrometheusStatLogger` is an AsyncLLM stat logger: it runs on the engine thread after each step, with the
+`PrometheusStatLogger` is an AsyncLLM stat logger: it runs on AsyncLLM's output thread after each step, with the
 step's snapshot and events (prometheus-client metrics are thread-safe).
 """
 
