@@ -87,6 +87,9 @@ class OutputProcessor:
                 continue
             state = self.requests[parent_id]
             child = state.children[out.request_id]
+            if child.finish_reason is not None:
+                # Stopped here by a stop string while a core in another process already ran its next step.
+                continue
             if state.metrics.first_token_time is None:
                 state.metrics.first_token_time = now
             state.metrics.num_preemptions = max(state.metrics.num_preemptions, out.num_preemptions)
