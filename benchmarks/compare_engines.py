@@ -18,10 +18,21 @@ Medians over --runs are reported with the ratios of pagedserve to each other eng
 
 --serving runs the serving view instead: each engine's OpenAI server (`pagedserve serve`, `vllm serve`,
 `llama-server`) is started fresh per scenario, its time to a healthy /health recorded, and
-`pagedserve bench serve` sends W1 to /v1/completions all at once and with at most 16 in flight.
+`pagedserve bench serve` sends W1 to /v1/completions all at once and with at most 16 in flight. With
+--offline-baseline each run also measures pagedserve's offline W1, and the table gives serving all-at-once as a
+fraction of it (the cost of the serving path).
+
+--single-stream: one request, 128 prompt ids -> 256 tokens: pagedserve's decode tok/s
+(benchmarks/single_stream.py) beside llama.cpp's `llama-bench -p 128 -n 256` tg rate on the GGUF of the same
+dtype.
+
+--dtype auto (the default) gives each engine the dtype that computes fastest on this CPU: bfloat16 where the CPU
+has native bf16 dot products (AVX512-BF16 or AMX), else float32 (pagedserve's own `auto` makes the same choice;
+llama.cpp then gets the BF16 or F32 GGUF). Every table names the CPU kind it was measured on.
 
     python benchmarks/compare_engines.py --runs 3
-    python benchmarks/compare_engines.py --serving --engines pagedserve,vllm
+    python benchmarks/compare_engines.py --serving --engines pagedserve,vllm --offline-baseline
+    python benchmarks/compare_engines.py --single-stream --engines pagedserve,llamacpp
     python benchmarks/compare_engines.py --runs 1 --num-prompts 8 --output-len 8   # smoke
 
 Setup of the other engines: benchmarks/engines/setup.sh.
@@ -43,11 +54,26 @@ from pathlib import Path
 
 from compare_serving import free_port, stop_server  # beside this file
 
+from pagedserve.benchmarks.cpu_kind import cpu_kind
 from pagedserve.benchmarks.throughput import make_prompts
+from pagedserve.loader.model_loader import cpu_has_bf16
 
 HERE = Path(__file__).resolve().parent
 ENGINES_DIR = Path(os.environ.get("PAGEDSERVE_ENGINES_DIR", "/work/engines"))
 TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
+
+
+def best_dtype(requested: str) -> str:
+    """The dtype the other engines get: `auto` is bfloat16 on CPUs with native bf16, else float32."""
+    if requested != "auto":
+        return requested
+    return "bfloat16" if cpu_has_bf16() else "float32"
+
+
+def llamacpp_gguf(args) -> str:
+    if args.llamacpp_model:
+        return args.llamacpp_model
+    return str(ENGINES_DIR / ("smollm2-bf16.gguf" if best_dtype(args.dtype) == "bfloat16" else "smollm2-f32.gguf"))
 
 
 def vllm_env(args, tuned: bool) -> dict:
@@ -78,11 +104,11 @@ def offline_command(engine: str, args, out_json: str) -> tuple[list[str], dict]:
         with open(prompts_json, "w") as f:
             json.dump(w1_prompts(args), f)
         cmd = [args.vllm_python, str(HERE / "engines" / "vllm_w1.py"), "--model", args.vllm_model,
-               "--dtype", args.dtype, "--prompts-json", prompts_json, "--output-len", str(args.output_len)]
+               "--dtype", best_dtype(args.dtype), "--prompts-json", prompts_json, "--output-len", str(args.output_len)]
         return cmd, vllm_env(args, tuned=engine == "vllm")
     if engine == "llamacpp":
         cmd = [sys.executable, str(HERE / "engines" / "llamacpp_w1.py"), "--server-bin", args.llama_server,
-               "--model", args.llamacpp_model, "--output-json", out_json, *w1]
+               "--model", llamacpp_gguf(args), "--output-json", out_json, *w1]
         return cmd, {}
     raise SystemExit(f"unknown engine {engine!r}")
 
@@ -97,13 +123,15 @@ def run_offline(engine: str, args) -> dict:
             raise SystemExit(f"{engine} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
         if engine == "pagedserve":
             with open(out_json) as f:
-                r = json.load(f)["pagedserve"]
+                result = json.load(f)
+            r = result["pagedserve"]
             return {"output_tok_s": r["output_tok_s"], "elapsed_s": r["elapsed_s"], "load_s": r["load_s"],
-                    "exact": r["all_exact_output_len"]}
+                    "exact": r["all_exact_output_len"], "dtype": result["workload"]["dtype"]}
         line = [l for l in proc.stdout.splitlines() if l.startswith("{")][-1]
         r = json.loads(line)
+        dtype = Path(llamacpp_gguf(args)).stem if engine == "llamacpp" else best_dtype(args.dtype)
         return {"output_tok_s": r["output_tok_per_s"], "elapsed_s": r["elapsed_s"],
-                "load_s": r.get("load_s", r.get("startup_s")), "exact": r["exact"]}
+                "load_s": r.get("load_s", r.get("startup_s")), "exact": r["exact"], "dtype": dtype}
 
 
 # -- serving -------------------------------------------------------------------------------------------------
@@ -115,11 +143,11 @@ def server_command(engine: str, args, port: int) -> tuple[list[str], dict]:
                 args.dtype, "--disable-log-requests"], {}
     if engine in ("vllm", "vllm-default"):
         return [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", args.vllm_model,
-                "--dtype", args.dtype, "--port", str(port), "--max-model-len", "512", "--max-num-seqs", "256",
+                "--dtype", best_dtype(args.dtype), "--port", str(port), "--max-model-len", "512", "--max-num-seqs", "256",
                 "--served-model-name", "default"], vllm_env(args, engine == "vllm")
     if engine == "llamacpp":
         slots = args.num_prompts
-        return [args.llama_server, "--model", args.llamacpp_model, "--port", str(port), "--parallel", str(slots),
+        return [args.llama_server, "--model", llamacpp_gguf(args), "--port", str(port), "--parallel", str(slots),
                 "--ctx-size", str(slots * (args.input_len + args.output_len)), "--threads", str(os.cpu_count()),
                 "--threads-batch", str(os.cpu_count()), "--cont-batching", "--no-webui"], {}
     raise SystemExit(f"unknown engine {engine!r}")
@@ -167,6 +195,42 @@ def run_serving(engine: str, args, workload: str, scenario: str, out_dir: str) -
                                                      "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms")}}
 
 
+# -- single stream -------------------------------------------------------------------------------------------
+
+
+def run_single_stream(engine: str, args) -> dict:
+    if engine == "pagedserve":
+        cmd = [sys.executable, str(HERE / "single_stream.py"), "--dtype", args.dtype, "--runs", "1",
+               "--input-len", str(args.input_len), "--output-len", str(args.single_output_len)]
+    elif engine == "llamacpp":
+        cmd = [str(Path(args.llama_server).with_name("llama-bench")), "-m", llamacpp_gguf(args), "-p",
+               str(args.input_len), "-n", str(args.single_output_len), "-t", str(os.cpu_count()), "-r", "1",
+               "-o", "json"]
+    else:
+        raise SystemExit(f"--single-stream measures pagedserve and llamacpp, not {engine!r}")
+    print(f"$ {' '.join(cmd)}", flush=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"{engine} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    if engine == "pagedserve":
+        r = json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])
+        return {"decode_tok_s": r["decode_tok_s"], "dtype": r["dtype"]}
+    tests = json.loads(proc.stdout)
+    [tg] = [t for t in tests if t["n_gen"] > 0]
+    return {"decode_tok_s": tg["avg_ts"], "dtype": Path(llamacpp_gguf(args)).stem}
+
+
+def single_stream_table(results: dict[str, list[dict]]) -> str:
+    base = median_of(results["pagedserve"], "decode_tok_s") if "pagedserve" in results else None
+    lines = ["| engine | dtype | decode tok/s (median) | runs | pagedserve / engine |", "|---|---|---|---|---|"]
+    for engine, runs in results.items():
+        tok = median_of(runs, "decode_tok_s")
+        ratio = f"**{base / tok:.2f}x**" if base and engine != "pagedserve" else ""
+        lines.append(f"| {engine} | {runs[0]['dtype']} | {tok:.1f} | "
+                     f"{', '.join(format(r['decode_tok_s'], '.1f') for r in runs)} | {ratio} |")
+    return "\n".join(lines)
+
+
 # -- report --------------------------------------------------------------------------------------------------
 
 
@@ -176,12 +240,13 @@ def median_of(runs: list[dict], key: str) -> float:
 
 def offline_table(results: dict[str, list[dict]]) -> str:
     base = median_of(results["pagedserve"], "output_tok_s") if "pagedserve" in results else None
-    lines = ["| engine | out tok/s (median) | runs | start-up s | exact lengths | pagedserve / engine |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| engine | dtype | out tok/s (median) | runs | start-up s | exact lengths | pagedserve / engine |",
+             "|---|---|---|---|---|---|---|"]
     for engine, runs in results.items():
         tok = median_of(runs, "output_tok_s")
         ratio = f"**{base / tok:.2f}x**" if base and engine != "pagedserve" else ""
-        lines.append(f"| {engine} | {tok:.1f} | {', '.join(format(r['output_tok_s'], '.0f') for r in runs)} | "
+        lines.append(f"| {engine} | {runs[0]['dtype']} | {tok:.1f} | "
+                     f"{', '.join(format(r['output_tok_s'], '.0f') for r in runs)} | "
                      f"{median_of(runs, 'load_s'):.1f} | {all(r['exact'] for r in runs)} | {ratio} |")
     return "\n".join(lines)
 
@@ -202,11 +267,17 @@ def main() -> None:
     p.add_argument("--engines", default="pagedserve,vllm,llamacpp",
                    help="comma-separated: pagedserve, vllm, vllm-default, llamacpp")
     p.add_argument("--runs", type=int, default=3, help="runs per engine (medians reported)")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
+                   help="auto: each engine at the dtype that is fastest on this CPU (bfloat16 with native bf16)")
     p.add_argument("--num-prompts", type=int, default=256)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--serving", action="store_true", help="the serving view instead of offline throughput")
+    p.add_argument("--offline-baseline", action="store_true",
+                   help="with --serving: also run pagedserve offline W1 in every run, for the serving/offline ratio")
+    p.add_argument("--single-stream", action="store_true",
+                   help="one request, --input-len prompt -> --single-output-len tokens: decode tok/s")
+    p.add_argument("--single-output-len", type=int, default=256)
     p.add_argument("--scenarios", default="all_at_once,concurrency16", help="with --serving")
     p.add_argument("--max-concurrency", type=int, default=16)
     p.add_argument("--start-timeout", type=float, default=900)
@@ -215,42 +286,80 @@ def main() -> None:
                    help="the default model as a Hugging Face folder (benchmarks/export_hf.py)")
     p.add_argument("--llama-server", default=shutil.which("llama-server")
                    or str(ENGINES_DIR / "llama.cpp-build" / "bin" / "llama-server"))
-    p.add_argument("--llamacpp-model", default=str(ENGINES_DIR / "smollm2-bf16.gguf"))
+    p.add_argument("--llamacpp-model", default=None,
+                   help="default: the BF16 or F32 GGUF of the default model, by --dtype")
     p.add_argument("--output-dir", default="engine_results")
     args = p.parse_args()
     engines = args.engines.split(",")
     os.makedirs(args.output_dir, exist_ok=True)
 
-    if not args.serving:
-        results: dict[str, list[dict]] = {e: [] for e in engines}
-        for i in range(args.runs):
-            for engine in engines[i % len(engines):] + engines[:i % len(engines)]:
-                r = run_offline(engine, args)
-                results[engine].append(r)
-                print(f"run {i + 1} {engine}: {r['output_tok_s']:.1f} out tok/s ({r['elapsed_s']:.1f} s)", flush=True)
-        table = offline_table(results)
+    if args.single_stream:
+        name, (results, table) = "single_stream", measure_single_stream(engines, args)
+    elif args.serving:
+        name, (results, table) = "serving", measure_serving(engines, args)
     else:
-        workload = os.path.join(args.output_dir, "workload.jsonl")
-        with open(workload, "w") as f:
-            for ids in w1_prompts(args):
-                f.write(json.dumps({"prompt": ids, "output_len": args.output_len}) + "\n")
-        results2: dict[tuple[str, str], list[dict]] = {}
-        for i in range(args.runs):
-            for scenario in args.scenarios.split(","):
-                for engine in engines[i % len(engines):] + engines[:i % len(engines)]:
-                    r = run_serving(engine, args, workload, scenario, args.output_dir)
-                    results2.setdefault((engine, scenario), []).append(r)
-                    print(f"run {i + 1} {engine} {scenario}: ready {r['ready_s']:.1f} s, "
-                          f"{r['output_throughput']:.1f} tok/s, TTFT p99 {r['p99_ttft_ms']:.0f} ms, "
-                          f"TPOT p99 {r['p99_tpot_ms']:.1f} ms", flush=True)
-        results = {f"{e} {s}": v for (e, s), v in results2.items()}
-        table = serving_table(results2)
+        name, (results, table) = "offline", measure_offline(engines, args)
+    table = f"CPU: {cpu_kind()}; --dtype {args.dtype}\n\n{table}"
     print("\n" + table)
-    name = "serving" if args.serving else "offline"
     with open(os.path.join(args.output_dir, f"{name}.json"), "w") as f:
-        json.dump({"args": vars(args), "runs": results}, f, indent=1)
+        json.dump({"args": vars(args), "cpu": cpu_kind(), "runs": results}, f, indent=1)
     with open(os.path.join(args.output_dir, f"{name}.md"), "w") as f:
         f.write(table + "\n")
+
+
+def rotated(engines: list[str], i: int) -> list[str]:
+    return engines[i % len(engines):] + engines[:i % len(engines)]
+
+
+def measure_offline(engines: list[str], args) -> tuple[dict, str]:
+    results: dict[str, list[dict]] = {e: [] for e in engines}
+    for i in range(args.runs):
+        for engine in rotated(engines, i):
+            r = run_offline(engine, args)
+            results[engine].append(r)
+            print(f"run {i + 1} {engine}: {r['output_tok_s']:.1f} out tok/s ({r['elapsed_s']:.1f} s)", flush=True)
+    return results, offline_table(results)
+
+
+def measure_single_stream(engines: list[str], args) -> tuple[dict, str]:
+    results: dict[str, list[dict]] = {e: [] for e in engines}
+    for i in range(args.runs):
+        for engine in rotated(engines, i):
+            r = run_single_stream(engine, args)
+            results[engine].append(r)
+            print(f"run {i + 1} {engine}: {r['decode_tok_s']:.1f} decode tok/s", flush=True)
+    return results, single_stream_table(results)
+
+
+def measure_serving(engines: list[str], args) -> tuple[dict, str]:
+    workload = os.path.join(args.output_dir, "workload.jsonl")
+    with open(workload, "w") as f:
+        for ids in w1_prompts(args):
+            f.write(json.dumps({"prompt": ids, "output_len": args.output_len}) + "\n")
+    results: dict[tuple[str, str], list[dict]] = {}
+    offline: list[dict] = []
+    for i in range(args.runs):
+        if args.offline_baseline:
+            offline.append(run_offline("pagedserve", args))
+            print(f"run {i + 1} pagedserve offline: {offline[-1]['output_tok_s']:.1f} tok/s", flush=True)
+        for scenario in args.scenarios.split(","):
+            for engine in rotated(engines, i):
+                r = run_serving(engine, args, workload, scenario, args.output_dir)
+                results.setdefault((engine, scenario), []).append(r)
+                print(f"run {i + 1} {engine} {scenario}: ready {r['ready_s']:.1f} s, "
+                      f"{r['output_throughput']:.1f} tok/s, TTFT p99 {r['p99_ttft_ms']:.0f} ms, "
+                      f"TPOT p99 {r['p99_tpot_ms']:.1f} ms", flush=True)
+    table = serving_table(results)
+    if offline and ("pagedserve", "all_at_once") in results:
+        served = median_of(results[("pagedserve", "all_at_once")], "output_throughput")
+        base = median_of(offline, "output_tok_s")
+        table += (f"\n\npagedserve offline W1 {base:.1f} tok/s (runs: "
+                  f"{', '.join(format(r['output_tok_s'], '.0f') for r in offline)}); serving all at once / offline = "
+                  f"**{served / base:.2f}x**")
+    flat = {f"{e} {s}": v for (e, s), v in results.items()}
+    if offline:
+        flat["pagedserve offline"] = offline
+    return flat, table
 
 
 if __name__ == "__main__":

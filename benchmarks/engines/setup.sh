@@ -27,7 +27,7 @@ cmake -S "$ENGINES/llama_cpp_python-0.3.36/vendor/llama.cpp" -B "$ENGINES/llama.
     -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DGGML_CCACHE=OFF -DLLAMA_BUILD_TESTS=OFF \
     -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_UI=OFF \
     -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF
-cmake --build "$ENGINES/llama.cpp-build" --config Release -j2 --target llama-server llama-quantize
+cmake --build "$ENGINES/llama.cpp-build" --config Release -j2 --target llama-server llama-quantize llama-bench
 Q41=$(python -c "from pagedserve.loader.model_loader import default_model_path; print(default_model_path())")
 "$ENGINES/llama.cpp-build/bin/llama-quantize" --allow-requantize "$Q41" "$ENGINES/smollm2-bf16.gguf" BF16 2
 "$ENGINES/llama.cpp-build/bin/llama-quantize" --allow-requantize "$Q41" "$ENGINES/smollm2-f32.gguf" F32 2

@@ -41,6 +41,8 @@ from typing import Any, Optional
 
 import torch
 
+from pagedserve.benchmarks.cpu_kind import cpu_kind
+
 logger = logging.getLogger(__name__)
 
 PROMPT_ID_LOW = 100
@@ -292,7 +294,7 @@ def _print_report(result: dict, out=sys.stdout) -> None:
           f"output tokens (greedy, ignore_eos), ids in [{w['prompt_id_range'][0]}, {w['prompt_id_range'][1]})",
           file=out)
     print(f"model {w['model']}  dtype {w['dtype']}  device {w['device']}  torch threads {env['torch_threads']}  "
-          f"repeats {w['repeats']} (medians)", file=out)
+          f"repeats {w['repeats']} (medians)\nCPU {env['cpu_kind']}", file=out)
     header = f"{'backend':<22}{'load s':>8}{'elapsed s':>11}{'req/s':>9}{'out tok/s':>11}{'total tok/s':>13}  exact len"
     print(header, file=out)
     print("-" * len(header), file=out)
@@ -397,6 +399,7 @@ def main(args: argparse.Namespace) -> dict:
             "torch": torch.__version__,
             "torch_threads": torch.get_num_threads(),
             "cpu_count": os.cpu_count(),
+            "cpu_kind": cpu_kind(),
             "cuda_device": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
         },
         "pagedserve": None,
