@@ -73,6 +73,22 @@ def default_model_path() -> str:
         pytest.skip(str(e))
 
 
+@pytest.fixture(params=["avx512_bf16", "avx512", "avx2", "generic"])
+def isa(request, monkeypatch):
+    """Runs a kernel test once per ISA level of kernels/build.py that this CPU can run (the others skip,
+    naming the level), with PAGEDSERVE_CPU_ISA forced and the loaded libraries reset before and after."""
+    from pagedserve.kernels import build
+
+    level = request.param
+    assert level in build.ISA_LEVELS
+    if build.ISA_LEVELS.index(level) > build.ISA_LEVELS.index(build.native_isa()):
+        pytest.skip(f"CPU has no {level}: that path is not tested here")
+    monkeypatch.setenv("PAGEDSERVE_CPU_ISA", level)
+    build.reset()
+    yield level
+    build.reset()  # the next load reads the environment that monkeypatch restores
+
+
 def assert_no_leaked_blocks(engine) -> None:
     """Every KV block is back in the pool and nothing is left queued (an LLMEngine, or an AsyncLLM whose core
     runs in its own process: then the core is asked for a fresh snapshot, when it is still running)."""

@@ -1,5 +1,13 @@
 """The C decode-attention kernel (kernels/csrc/decode_attention.c), built by `pagedserve.kernels.build`.
 
+Paths by ISA level (kernels/build.py; the level is chosen at run time from the CPU flags, or forced lower
+with PAGEDSERVE_CPU_ISA):
+- avx512_bf16, avx512: AVX-512 for head_dim 64/128 and block_size % 16 == 0, 16 tokens a vector (in bf16,
+  AVX-512 BF16 dot products when the CPU has them, else widening by shifts and fp32 FMAs);
+- avx2: AVX2 + FMA for head_dim 64/128 and block_size % 8 == 0, 8 tokens a vector, bf16 widened by shifts;
+- every level, and other shapes: a plain C loop that gcc vectorizes for the level.
+All read the cache in place (attention/kv_layout.py) and accumulate in float32.
+
 If it cannot be built, `load()` returns None and attention falls back to the torch path;
 PAGEDSERVE_CPU_KERNEL=0 turns it off.
 """

@@ -5,7 +5,10 @@ fall back to their torch code where the answer is False (no compiler, CUDA, floa
 
 In bfloat16 both match the torch reference bit for bit. In float32 only the rotary kernel does: the norm's
 sum of squares rounds differently from torch's vectorized reduction in the last bit, so float32 keeps the
-torch norm (float32 is the dtype that the exactness tests pin to transformers)."""
+torch norm (float32 is the dtype that the exactness tests pin to transformers).
+
+The C file is plain C (no intrinsics): one path, auto-vectorized by gcc for the ISA level in force
+(kernels/build.py: avx512_bf16, avx512, avx2 or generic), and bit-exact at every level."""
 
 from __future__ import annotations
 
@@ -24,20 +27,17 @@ _SIGNATURES = {
 }
 # Rounding must happen where the reference rounds: no fusing of a rounded multiply into an add.
 _EXTRA_FLAGS = ("-ffp-contract=off",)
-_library: Optional[ctypes.CDLL] = None
 
 
 def _lib() -> Optional[ctypes.CDLL]:
-    global _library
-    if _library is None:
-        library = load_library("fused_ops", _EXTRA_FLAGS)
-        if library is None:
-            return None
+    """The library for the ISA level in force (build.py caches it per process), or None."""
+    library = load_library("fused_ops", _EXTRA_FLAGS)
+    if library is not None and getattr(library, "_typed", None) is None:
         for name, argtypes in _SIGNATURES.items():
             getattr(library, name).argtypes = argtypes
             getattr(library, name).restype = _INT
-        _library = library
-    return _library
+        library._typed = True
+    return library
 
 
 def fuses_rotary(x: torch.Tensor) -> bool:

@@ -1,8 +1,13 @@
-"""bfloat16 linear layers for small batches (csrc/skinny_gemm.c): weights laid out once for AVX-512 BF16 dot
-products, so that a decode step with few sequences streams each weight once instead of having the BLAS
-re-lay it out on every call (about 3x faster at 16 rows here, see docs/benchmarks.md).
+"""bfloat16 linear layers for small batches (csrc/skinny_gemm.c): weights laid out once for the CPU's vector
+unit, so that a decode step with few sequences streams each weight once instead of having the BLAS re-lay it
+out on every call (about 3x faster at 16 rows here, see docs/benchmarks.md).
 
-`PackedWeight.of(weight)` packs a [N, K] bf16 weight (None where the kernel cannot run: no AVX-512 BF16, no
+Paths by ISA level (kernels/build.py): avx512_bf16 uses AVX-512 BF16 dot products on [N/16, K/2, 16, 2]
+weights; avx512 (no BF16) and avx2 widen bf16 to fp32 and use AVX2 FMAs on [N/16, K, 8, 2] weights; generic
+has no path (PackedWeight.of returns None and layers use torch). Every path sums each output in fp32 in k
+order and rounds once to bf16, so a row's result does not depend on how many rows are in the batch.
+
+`PackedWeight.of(weight)` packs a [N, K] bf16 weight (None where the kernel cannot run: generic level, no
 compiler, other dtypes or shapes); `linear(x, packed, bias)` computes x @ weight.T + bias for x [M, K].
 Layers use it for M <= MAX_ROWS and torch above, where the BLAS is at full speed.
 """
@@ -19,30 +24,32 @@ from pagedserve.kernels.build import load_library
 
 MAX_ROWS = 32
 """Up to this many rows the packed kernel beats torch's bf16 matmul here (measured: 2.9x at 1 row, 1.5x at
-16, 1.15x at 32, even at 64); above, torch's BLAS is as fast or faster."""
+16, 1.15x at 32, even at 64); above, torch's BLAS is as fast or faster. The AVX2 path against torch held to
+AVX2 (ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2, on this Zen 4, 2 threads, noisy shared machine):
+1.1-1.6x at 1 row, 3.6-4.2x at 16, 4.4-4.7x at 32 (benchmarks/small_batch_matmul.py)."""
 
 _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-_library: Optional[ctypes.CDLL] = None
-_checked = False
+_LAYOUTS = {1: lambda n, k: (n // 16, k // 2, 16, 2), 2: lambda n, k: (n // 16, k, 8, 2)}
+"""The C file's packed layouts (packed_layout()): 1 AVX-512 BF16, 2 AVX2."""
 
 
 def _lib() -> Optional[ctypes.CDLL]:
-    global _library, _checked
-    if not _checked:
-        _checked = True
-        library = load_library("skinny_gemm")
-        if library is not None and library.available():
-            library.pack_weight.argtypes = [_P, _P, _I64, _I64]
-            library.skinny_gemm.argtypes = [_P, _P, _P, _P, _I64, _I64, _I64, _INT]
-            library.pack_weight.restype = library.skinny_gemm.restype = _INT
-            _library = library
-    return _library
+    """The library for the ISA level in force (build.py caches it per process), or None without a path."""
+    library = load_library("skinny_gemm")
+    if library is None:
+        return None
+    if getattr(library, "_layout", None) is None:
+        library.pack_weight.argtypes = [_P, _P, _I64, _I64]
+        library.skinny_gemm.argtypes = [_P, _P, _P, _P, _I64, _I64, _I64, _INT]
+        library.pack_weight.restype = library.skinny_gemm.restype = _INT
+        library._layout = library.packed_layout() if library.available() else 0
+    return library if library._layout else None
 
 
 @dataclass(frozen=True)
 class PackedWeight:
     data: torch.Tensor
-    """[N / 16, K / 2, 16, 2] bf16."""
+    """bf16, [N / 16, K / 2, 16, 2] (avx512_bf16) or [N / 16, K, 8, 2] (avx2, avx512): the library's layout."""
     out_features: int
     in_features: int
 
@@ -53,8 +60,9 @@ class PackedWeight:
                 or _lib() is None):
             return None
         weight = weight.detach().contiguous()
-        data = torch.empty(n // 16, k // 2, 16, 2, dtype=torch.bfloat16)
-        if _lib().pack_weight(weight.data_ptr(), data.data_ptr(), n, k) != 0:
+        library = _lib()
+        data = torch.empty(_LAYOUTS[library._layout](n, k), dtype=torch.bfloat16)
+        if library.pack_weight(weight.data_ptr(), data.data_ptr(), n, k) != 0:
             return None
         return PackedWeight(data, n, k)
 
@@ -63,10 +71,13 @@ def linear(x: torch.Tensor, packed: PackedWeight, bias: Optional[torch.Tensor] =
     """x [M, K] bf16 -> [M, N] bf16 (fp32 sums, rounded once, bias added before rounding)."""
     x = x.contiguous()
     m = x.shape[0]
+    library = _lib()
+    if library is None or packed.data.shape[2] != (16 if library._layout == 1 else 8):
+        raise RuntimeError("weight packed for another ISA level (build.reset() since it was packed?)")
     y = torch.empty(m, packed.out_features, dtype=torch.bfloat16)
     if bias is not None:
         bias = bias.detach().contiguous()
-    status = _lib().skinny_gemm(x.data_ptr(), packed.data.data_ptr(), bias.data_ptr() if bias is not None else None,
+    status = library.skinny_gemm(x.data_ptr(), packed.data.data_ptr(), bias.data_ptr() if bias is not None else None,
                                 y.data_ptr(), m, packed.out_features, packed.in_features, torch.get_num_threads())
     if status != 0:
         raise RuntimeError(f"skinny_gemm failed (status {status})")

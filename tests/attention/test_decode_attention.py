@@ -1,4 +1,5 @@
-"""The C decode kernel equals the torch reference path, and both equal plain softmax attention."""
+"""The C decode kernel equals the torch reference path, and both equal plain softmax attention. The kernel
+tests run at every ISA level of kernels/build.py that this CPU can run (AVX-512, AVX2 and plain C paths)."""
 
 import pytest
 import torch
@@ -8,7 +9,13 @@ from pagedserve.attention.kv_layout import key_tiles_as_rows, key_cache_shape
 from pagedserve.attention.metadata import DecodeBatch
 from pagedserve.attention.torch_paged import decode_attention_torch
 
-needs_kernel = pytest.mark.skipif(cpu_decode.load() is None, reason="no C compiler: kernel not built")
+
+@pytest.fixture
+def kernel(isa):
+    """The kernel built for each ISA level this CPU can run (conftest's `isa`)."""
+    if cpu_decode.load() is None:
+        pytest.skip("no C compiler: kernel not built")
+    return isa
 
 
 def random_batch(dtype, batch=7, heads=6, kv_heads=2, head_dim=32, block_size=4, num_blocks=64, seed=0,
@@ -47,11 +54,11 @@ def test_torch_path_matches_naive_attention(dtype, tol):
     assert torch.allclose(decode_attention_torch(q, kc, vc, decode).float(), naive(q, kc, vc, decode), atol=tol)
 
 
-@needs_kernel
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(6, 2, 32), (4, 4, 64), (9, 3, 64), (4, 2, 128)])
-@pytest.mark.parametrize("block_size", [4, 16, 32])  # 16 and 32 take the vectorized path for head_dim 64/128
-def test_kernel_matches_naive_attention(dtype, tol, heads, kv_heads, head_dim, block_size):
+# For head_dim 64/128, 8 takes the AVX2 path (avx2 level), 16 and 32 the AVX-512 or AVX2 one; 4 the plain C loop.
+@pytest.mark.parametrize("block_size", [4, 8, 16, 32])
+def test_kernel_matches_naive_attention(kernel, dtype, tol, heads, kv_heads, head_dim, block_size):
     q, kc, vc, decode = random_batch(dtype, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
                                      block_size=block_size, max_context=100)
     out = cpu_decode.decode_attention(q, kc, vc, decode.block_tables, decode.context_lens)
@@ -59,10 +66,9 @@ def test_kernel_matches_naive_attention(dtype, tol, heads, kv_heads, head_dim, b
     assert torch.allclose(out.float(), naive(q, kc, vc, decode), atol=tol)
 
 
-@needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("block_size,head_dim", [(4, 32), (16, 64)])
-def test_kernel_ignores_stale_values_past_the_context(dtype, block_size, head_dim):
+@pytest.mark.parametrize("block_size,head_dim", [(4, 32), (8, 128), (16, 64)])
+def test_kernel_ignores_stale_values_past_the_context(kernel, dtype, block_size, head_dim):
     q, kc, vc, decode = random_batch(dtype, block_size=block_size, head_dim=head_dim, max_context=60)
     before = cpu_decode.decode_attention(q, kc, vc, decode.block_tables, decode.context_lens)
     kc_dirty, vc_dirty = kc.clone(), vc.clone()

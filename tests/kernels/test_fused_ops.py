@@ -1,4 +1,5 @@
-"""The fused C kernels give bit-identical results to the torch ops they replace, where the layers use them."""
+"""The fused C kernels give bit-identical results to the torch ops they replace, where the layers use them,
+at every ISA level this CPU can run (the `isa` fixture, tests/kernels/conftest.py)."""
 
 import pytest
 import torch
@@ -8,7 +9,14 @@ from pagedserve.kernels import fused_ops
 from pagedserve.layers.norm import RMSNorm
 from pagedserve.layers.rotary import apply_rotary
 
-needs_kernel = pytest.mark.skipif(not fused_ops.fuses_rotary(torch.zeros(1)), reason="no C compiler")
+
+
+@pytest.fixture
+def kernel(isa):
+    """The ISA level, with the library built for it."""
+    if not fused_ops.fuses_rotary(torch.zeros(1)):
+        pytest.skip("no C compiler")
+    return isa
 
 
 def torch_norm(dim: int, dtype: torch.dtype, seed: int = 0) -> RMSNorm:
@@ -17,9 +25,8 @@ def torch_norm(dim: int, dtype: torch.dtype, seed: int = 0) -> RMSNorm:
     return norm.to(dtype)
 
 
-@needs_kernel
 @pytest.mark.parametrize("rows", [1, 7, 300])  # 300 rows x 576 takes the multi-threaded path
-def test_rms_norm_with_residual_equals_torch_bitwise_in_bfloat16(rows):
+def test_rms_norm_with_residual_equals_torch_bitwise_in_bfloat16(kernel, rows):
     g = torch.Generator().manual_seed(rows)
     x = (torch.randn(rows, 576, generator=g) * 4).bfloat16()
     residual = torch.randn(rows, 576, generator=g).bfloat16()
@@ -32,8 +39,7 @@ def test_rms_norm_with_residual_equals_torch_bitwise_in_bfloat16(rows):
     assert torch.equal(fused_ops.rms_norm(x, norm.weight, norm.eps), norm._norm(x))
 
 
-@needs_kernel
-def test_layer_norm_takes_the_fused_path_only_where_it_is_exact():
+def test_layer_norm_takes_the_fused_path_only_where_it_is_exact(kernel):
     x = torch.randn(4, 64)
     assert fused_ops.fuses_norm(x.bfloat16()) and not fused_ops.fuses_norm(x)
     norm = torch_norm(64, torch.float32)
@@ -41,9 +47,8 @@ def test_layer_norm_takes_the_fused_path_only_where_it_is_exact():
     assert torch.equal(residual, x + 1) and torch.equal(out, norm._norm(x + 1))
 
 
-@needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rotary_and_cache_rotates_in_place_and_stores_kv_at_the_slots(dtype):
+def test_rotary_and_cache_rotates_in_place_and_stores_kv_at_the_slots(kernel, dtype):
     heads, kv_heads, head_dim, tokens, block_size = 9, 3, 64, 50, 16
     g = torch.Generator().manual_seed(1)
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=g).to(dtype)

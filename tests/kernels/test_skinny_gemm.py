@@ -1,4 +1,5 @@
-"""The small-batch bf16 matmul equals torch's linear (to bf16 rounding), and layers use it only where it pays."""
+"""The small-batch bf16 matmul equals torch's linear (to bf16 rounding), and layers use it only where it pays.
+Each kernel test runs at every ISA level this CPU can run (the `isa` fixture, tests/kernels/conftest.py)."""
 
 import pytest
 import torch
@@ -6,19 +7,24 @@ import torch
 from pagedserve.kernels import skinny_gemm
 from pagedserve.layers.linear import Linear
 
-needs_kernel = pytest.mark.skipif(skinny_gemm.PackedWeight.of(torch.zeros(16, 2, dtype=torch.bfloat16)) is None,
-                                  reason="no AVX-512 BF16 or no compiler")
+FP32_FMA_LEVELS = ("avx2", "avx512")  # the AVX2 path: bf16 widened to fp32, one FMA per k
 
 
-@needs_kernel
+def packed_or_skip(weight: torch.Tensor, isa: str) -> skinny_gemm.PackedWeight:
+    packed = skinny_gemm.PackedWeight.of(weight)
+    if packed is None:
+        pytest.skip("skinny_gemm has no generic path: layers use torch" if isa == "generic" else "no C compiler")
+    return packed
+
+
 @pytest.mark.parametrize("rows", [1, 7, 16, 17, 32])
 @pytest.mark.parametrize("bias", [False, True])
-def test_packed_linear_matches_torch_linear(rows, bias):
+def test_packed_linear_matches_torch_linear(isa, rows, bias):
     g = torch.Generator().manual_seed(rows)
     weight = torch.randn(96, 160, generator=g).bfloat16()
     b = torch.randn(96, generator=g).bfloat16() if bias else None
     x = torch.randn(rows, 160, generator=g).bfloat16()
-    out = skinny_gemm.linear(x, skinny_gemm.PackedWeight.of(weight), b)
+    out = skinny_gemm.linear(x, packed_or_skip(weight, isa), b)
     exact = x.float() @ weight.float().t() + (b.float() if bias else 0)
     expected = torch.nn.functional.linear(x, weight, b)
     # Both sum the same products in float32 and round once; only the order of the sums may differ.
@@ -26,25 +32,44 @@ def test_packed_linear_matches_torch_linear(rows, bias):
     assert (out == expected).float().mean() > 0.99
 
 
-@needs_kernel
-def test_each_row_is_independent_of_the_others():
+@pytest.mark.parametrize("bias", [False, True])
+def test_fp32_path_sums_in_k_order_and_rounds_to_nearest_even(isa, bias):
+    if isa not in FP32_FMA_LEVELS:
+        pytest.skip(f"{isa}: AVX-512 BF16 dot products add k pairs first" if isa == "avx512_bf16"
+                    else "skinny_gemm has no generic path")
+    g = torch.Generator().manual_seed(5)
+    weight = torch.randn(48, 96, generator=g).bfloat16()
+    x = torch.randn(9, 96, generator=g).bfloat16()
+    x[0, :3] = torch.tensor([1e38, 1e38, 1e38])  # one of row 0's sums overflows to inf, as in float32
+    b = torch.randn(48, generator=g).bfloat16() if bias else None
+    out = skinny_gemm.linear(x, packed_or_skip(weight, isa), b)
+    acc = torch.zeros(9, 48)
+    for k in range(96):  # bf16 x bf16 products are exact in float32, so an FMA equals multiply-then-add
+        acc = acc + x[:, k:k + 1].float() * weight[:, k].float()
+    assert torch.equal(out, (acc + (b.float() if bias else 0)).bfloat16())
+
+
+def test_each_row_is_independent_of_the_others(isa):
     g = torch.Generator().manual_seed(0)
-    packed = skinny_gemm.PackedWeight.of(torch.randn(64, 128, generator=g).bfloat16())
+    packed = packed_or_skip(torch.randn(64, 128, generator=g).bfloat16(), isa)
     x = torch.randn(20, 128, generator=g).bfloat16()
     together = skinny_gemm.linear(x, packed)
     alone = torch.cat([skinny_gemm.linear(x[i:i + 1], packed) for i in range(20)])
     assert torch.equal(together, alone)
 
 
-def test_weights_the_kernel_cannot_take_are_not_packed():
+def test_weights_the_kernel_cannot_take_are_not_packed(isa):
     assert skinny_gemm.PackedWeight.of(torch.zeros(32, 8)) is None  # float32
     assert skinny_gemm.PackedWeight.of(torch.zeros(24, 8, dtype=torch.bfloat16)) is None  # 24 % 16 != 0
+    if isa == "generic":  # no path: the layers keep torch
+        assert skinny_gemm.PackedWeight.of(torch.zeros(16, 2, dtype=torch.bfloat16)) is None
+        assert not Linear(64, 48).bfloat16().pack_for_small_batches()
 
 
-@needs_kernel
-def test_linear_layer_uses_the_packed_copy_only_for_small_batches():
+def test_linear_layer_uses_the_packed_copy_only_for_small_batches(isa):
     layer = Linear(64, 48, bias=True).bfloat16()
-    assert layer.pack_for_small_batches()
+    if not layer.pack_for_small_batches():
+        packed_or_skip(layer.weight, isa)
     small = torch.randn(skinny_gemm.MAX_ROWS, 64).bfloat16()
     large = torch.randn(skinny_gemm.MAX_ROWS + 1, 64).bfloat16()
     layer.packed = skinny_gemm.PackedWeight(torch.zeros_like(layer.packed.data), 48, 64)  # a visibly wrong copy

@@ -6,6 +6,11 @@
  * Query and output: [batch, heads, head_dim]. Work is split over (sequence, kv head) pairs; the query heads
  * that share a KV head are done together so each tile is read once. Accumulation is in float32.
  *
+ * Paths, chosen by the build's -march (kernels/build.py picks it from the CPU at run time): with AVX-512,
+ * head_dim 64/128 and block_size % 16 == 0 take item_avx512 (16 tokens a vector; bf16 K by BF16 dot
+ * products where the CPU has AVX512-BF16); with AVX2 + FMA only, the same shapes with block_size % 8 == 0
+ * take item_avx2 (8 tokens a vector, bf16 widened by shifts). Everything else takes the plain C loop.
+ *
  * Plain C with OpenMP, called through ctypes: it builds in about a second with gcc and needs no torch headers.
  */
 #include <math.h>
@@ -197,6 +202,117 @@ static inline __attribute__((always_inline)) void item_avx512(
     for (int64_t g = 0; g < group; ++g)
         for (int j = 0; j < nv; ++j) _mm512_storeu_ps(out_f32 + g * head_dim + 16 * j, o[g][j]);
 }
+
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+/* 8 values (bf16 or f32) to a float32 vector. */
+static inline __attribute__((always_inline)) __m256 load8(const void *p, const int bf16) {
+    if (bf16)
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+    return _mm256_loadu_ps((const float *)p);
+}
+
+static inline float max_lane(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+/* float32 value qb[g * head_dim + d] broadcast (the query is passed as float32 bits so that gcc sees its
+ * loads cannot alias the float vectors it accumulates into). */
+static inline __m256 broadcast_bits(const uint32_t *qb, int64_t at) {
+    return _mm256_castsi256_ps(_mm256_set1_epi32((int)qb[at]));
+}
+
+/* count query values (bf16 or f32) as float32 bits. */
+static inline void query_bits(const void *src, int bf16, int64_t count, uint32_t *restrict dst) {
+    if (bf16)
+        for (int64_t i = 0; i < count; ++i) dst[i] = (uint32_t)((const uint16_t *)src)[i] << 16;
+    else
+        memcpy(dst, src, sizeof(float) * (size_t)count);
+}
+
+/* Scores of one (sequence, kv head) item, 8 tokens at a time, as scores_avx512 does 16: one 32-byte row of a
+ * K tile holds dimension group p of 8 consecutive tokens and the query's value(s) are broadcast. In bf16 the
+ * row holds a pair of dimensions per token: a shift and a mask widen it to two float32 vectors (exact).
+ * qb: the item's queries as float32 bits [group][head_dim]. Requires block_size % 8 == 0. */
+static inline __attribute__((always_inline)) void scores_avx2(
+    const uint32_t *qb, const char *key_cache, const int64_t *table, int64_t len, float *scores, float *maxs,
+    int64_t group, int64_t block_size, int64_t head_dim, int64_t tile_bytes, int64_t kv_stride,
+    const char *value_cache, float scale, const int bf16) {
+    __m256 vmax[MAX_GROUP];
+    for (int64_t g = 0; g < group; ++g) vmax[g] = _mm256_set1_ps(-INFINITY);
+    const int64_t pack = bf16 ? 2 : 1, groups = head_dim / pack, row_bytes = block_size * 4; /* 4 = pack * elem */
+    const __m256i high = _mm256_set1_epi32((int)0xffff0000u), lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    for (int64_t start = 0; start < len; start += 8) {
+        const int64_t b = start / block_size, chunk = (start % block_size) / 8;
+        const char *tile = key_cache + table[b] * kv_stride * tile_bytes + chunk * 32;
+        if (chunk == 0) { /* as in scores_avx512: next block's K tile, this block's V tile */
+            const int64_t next = b + 1;
+            const char *next_k = next * block_size < len ? key_cache + table[next] * kv_stride * tile_bytes : 0;
+            const char *this_v = value_cache + table[b] * kv_stride * tile_bytes;
+            for (int64_t off = 0; off < tile_bytes; off += 64) {
+                if (next_k) _mm_prefetch(next_k + off, _MM_HINT_T0);
+                _mm_prefetch(this_v + off, _MM_HINT_T1);
+            }
+        }
+        __m256 acc[MAX_GROUP];
+        for (int64_t g = 0; g < group; ++g) acc[g] = _mm256_setzero_ps();
+        for (int64_t p = 0; p < groups; ++p) {
+            const char *row = tile + p * row_bytes;
+            if (bf16) {
+                const __m256i pairs = _mm256_loadu_si256((const __m256i *)row);
+                const __m256 k0 = _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16));
+                const __m256 k1 = _mm256_castsi256_ps(_mm256_and_si256(pairs, high));
+                for (int64_t g = 0; g < group; ++g) {
+                    acc[g] = _mm256_fmadd_ps(broadcast_bits(qb, g * head_dim + 2 * p), k0, acc[g]);
+                    acc[g] = _mm256_fmadd_ps(broadcast_bits(qb, g * head_dim + 2 * p + 1), k1, acc[g]);
+                }
+            } else {
+                const __m256 k = _mm256_loadu_ps((const float *)row);
+                for (int64_t g = 0; g < group; ++g)
+                    acc[g] = _mm256_fmadd_ps(broadcast_bits(qb, g * head_dim + p), k, acc[g]);
+            }
+        }
+        /* lanes past the context (stale cache rows, maybe NaN) are neither stored nor in the maximum */
+        const __m256i valid = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(len - start < 8 ? len - start : 8)), lanes);
+        const __m256 vscale = _mm256_set1_ps(scale), vvalid = _mm256_castsi256_ps(valid);
+        for (int64_t g = 0; g < group; ++g) {
+            const __m256 s = _mm256_mul_ps(acc[g], vscale);
+            _mm256_maskstore_ps(scores + g * len + start, valid, s);
+            vmax[g] = _mm256_blendv_ps(vmax[g], _mm256_max_ps(vmax[g], s), vvalid);
+        }
+    }
+    for (int64_t g = 0; g < group; ++g) maxs[g] = max_lane(vmax[g]);
+}
+
+/* One (sequence, kv head) work item with head_dim = 8 * NV, as item_avx512: scores, softmax, then the
+ * weighted sum of V rows in registers. Called with a constant nv (8 or 16). */
+static inline __attribute__((always_inline)) void item_avx2(
+    const uint32_t *qb, const char *key_cache, const char *value_cache, const int64_t *table, int64_t len,
+    float *scores, int64_t group, int64_t block_size, int64_t tile, int64_t kv_stride, float scale,
+    const int bf16, const int nv, float *out_f32) {
+    const int64_t elem = bf16 ? 2 : 4, head_dim = 8 * nv;
+    __m256 o[MAX_GROUP][16], v[16];
+    float maxs[MAX_GROUP];
+    for (int64_t g = 0; g < group; ++g)
+        for (int j = 0; j < nv; ++j) o[g][j] = _mm256_setzero_ps();
+    scores_avx2(qb, key_cache, table, len, scores, maxs, group, block_size, head_dim, tile * elem, kv_stride,
+                value_cache, scale, bf16);
+    softmax_rows(scores, maxs, group, len);
+    for (int64_t t = 0; t < len; ++t) {
+        const int64_t blk = table[t / block_size];
+        const char *row = value_cache + ((blk * kv_stride) * tile + (t % block_size) * head_dim) * elem;
+        for (int j = 0; j < nv; ++j) v[j] = load8(row + 8 * j * elem, bf16);
+        for (int64_t g = 0; g < group; ++g) {
+            const __m256 p = _mm256_set1_ps(scores[g * len + t]);
+            for (int j = 0; j < nv; ++j) o[g][j] = _mm256_fmadd_ps(p, v[j], o[g][j]);
+        }
+    }
+    for (int64_t g = 0; g < group; ++g)
+        for (int j = 0; j < nv; ++j) _mm256_storeu_ps(out_f32 + g * head_dim + 8 * j, o[g][j]);
+}
 #endif
 
 /* One (sequence, kv head) pair; returns nonzero if it could not get memory. */
@@ -222,6 +338,23 @@ static inline __attribute__((always_inline)) int decode_item(
             else
                 item_avx512((const char *)query, kc, vc, block_tables + b * max_blocks, len, scores, group,
                             block_size, tile, row0, kv_heads, scale, bf16, 8, acc[0]);
+            for (int64_t g = 0; g < group; ++g)
+                store_row(out, (row0 + g) * head_dim, acc[0] + g * head_dim, 1.f, head_dim, bf16);
+            free(scores);
+            return 0;
+        }
+#elif defined(__AVX2__) && defined(__FMA__)
+        if ((head_dim == 64 || head_dim == 128) && block_size % 8 == 0) {
+            const char *kc = (const char *)key_cache + h * tile * elem, *vc = (const char *)value_cache + h * tile * elem;
+            const int64_t row0 = b * num_heads + h * group;
+            uint32_t qb[MAX_GROUP * MAX_HEAD_DIM];
+            query_bits((const char *)query + row0 * head_dim * elem, bf16, group * head_dim, qb);
+            if (head_dim == 64)
+                item_avx2(qb, kc, vc, block_tables + b * max_blocks, len, scores, group, block_size, tile, kv_heads,
+                          scale, bf16, 8, acc[0]);
+            else
+                item_avx2(qb, kc, vc, block_tables + b * max_blocks, len, scores, group, block_size, tile, kv_heads,
+                          scale, bf16, 16, acc[0]);
             for (int64_t g = 0; g < group; ++g)
                 store_row(out, (row0 + g) * head_dim, acc[0] + g * head_dim, 1.f, head_dim, bf16);
             free(scores);

@@ -2,39 +2,62 @@
  *
  * With few rows, the BLAS path spends its time re-laying out the weights on every call (bf16 dot-product
  * instructions need pairs of k values side by side), and runs far below peak. Here the weights are laid out
- * once, at load time, as [N / 16][K / 2][16][2]: for a block of 16 output columns, one 64-byte vector per
- * pair of k holds that pair for all 16 columns. A step then streams the weights once, front to back: per
- * vector, one AVX-512 BF16 dot product per input row adds 2 products into each of the row's 16 column sums
- * (the row's k pair is broadcast), so there are no horizontal sums and every load is used by all rows.
+ * once, at load time, in blocks of 16 output columns, and a step streams them once, front to back; every
+ * load is used by all rows and there are no horizontal sums. Two paths, chosen by the build's -march
+ * (kernels/build.py); pack_weight is in the same library, so each library packs for its own path:
+ *
+ * - AVX-512 BF16: [N / 16][K / 2][16][2]. For a block, one 64-byte vector per pair of k holds that pair for
+ *   all 16 columns; per vector, one BF16 dot product per input row adds 2 products into each of the row's
+ *   16 column sums (the row's k pair is broadcast).
+ * - AVX2 + FMA (also AVX-512 without BF16): [N / 16][K][8][2], where [nb][k][i][j] is column nb * 16 + 8j + i.
+ *   One 32-byte load per k holds that k for the block's 16 columns; a shift and a mask widen it exactly to
+ *   two fp32 vectors (columns 0-7 and 8-15), which one FMA each adds, times the row's x[k] broadcast in fp32,
+ *   into the row's two column sums. Sums are rounded to bf16 to nearest even, as torch rounds.
+ *
  * Each output is one fp32 lane summed in k order, whatever M is: a row's result does not depend on the batch.
+ * Without AVX2 there is no path: available() is 0 and the layers use torch.
  *
  * Plain C with OpenMP, called through ctypes (pagedserve/kernels/skinny_gemm.py).
  */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
-#define ROWS_PER_PASS 16 /* accumulators held in registers per pass over a column block */
-
-int available(void) {
 #if defined(__AVX512BF16__)
-    return 1;
+#define LAYOUT 1        /* [N / 16][K / 2][16][2] */
+#define ROWS_PER_PASS 16 /* accumulators held in registers per pass over a column block */
+#elif defined(__AVX2__) && defined(__FMA__)
+#define LAYOUT 2       /* [N / 16][K][8][2] */
+#define ROWS_PER_PASS 6 /* 2 accumulators a row: 12 of the 16 vector registers */
 #else
-    return 0;
+#define LAYOUT 0
+#endif
+
+int available(void) { return LAYOUT != 0; }
+
+/* Which packed layout pack_weight writes (the numbers above; 0: none). */
+int packed_layout(void) { return LAYOUT; }
+
+/* Column block nb (columns nb * 16 ...) of w [N, K] into its place in packed, in this build's layout. */
+static void pack_block(const uint16_t *w, uint16_t *packed, int64_t nb, int64_t k) {
+    const uint16_t *src = w + nb * 16 * k;
+    uint16_t *dst = packed + nb * 16 * k;
+#if LAYOUT == 1 /* [k pair p][column i][2] */
+    for (int64_t p = 0; p < k / 2; ++p)
+        for (int64_t i = 0; i < 16; ++i)
+            for (int64_t j = 0; j < 2; ++j) dst[(p * 16 + i) * 2 + j] = src[i * k + 2 * p + j];
+#else /* [k][i][j]: column 8j + i */
+    for (int64_t kk = 0; kk < k; ++kk)
+        for (int64_t i = 0; i < 8; ++i)
+            for (int64_t j = 0; j < 2; ++j) dst[(kk * 8 + i) * 2 + j] = src[(8 * j + i) * k + kk];
 #endif
 }
 
-/* w [N, K] bf16 -> packed [N / 16][K / 2][16][2]. Requires N % 16 == 0 and K % 2 == 0. */
+/* w [N, K] bf16 -> packed (layout above). Requires N % 16 == 0 and K % 2 == 0. */
 int pack_weight(const uint16_t *w, uint16_t *packed, int64_t n, int64_t k) {
-    if (n % 16 || k % 2) return 1;
+    if (n % 16 || k % 2 || LAYOUT == 0) return 1;
 #pragma omp parallel for schedule(static)
-    for (int64_t nb = 0; nb < n / 16; ++nb)
-        for (int64_t p = 0; p < k / 2; ++p)
-            for (int64_t i = 0; i < 16; ++i) {
-                uint16_t *dst = packed + ((nb * (k / 2) + p) * 16 + i) * 2;
-                const uint16_t *src = w + (nb * 16 + i) * k + 2 * p;
-                dst[0] = src[0];
-                dst[1] = src[1];
-            }
+    for (int64_t nb = 0; nb < n / 16; ++nb) pack_block(w, packed, nb, k);
     return 0;
 }
 
@@ -76,18 +99,87 @@ static void column_block_any(const uint16_t *x, const uint16_t *packed, const ui
 #undef CASE
     }
 }
+
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+/* 8 float32 -> 8 bf16 in the low half of each 32-bit lane, round to nearest even (bf16.h's f32_to_bf16). */
+static inline __m256i bf16_lanes(__m256 v) {
+    const __m256i u = _mm256_castps_si256(v), top = _mm256_srli_epi32(u, 16);
+    const __m256i bias = _mm256_add_epi32(_mm256_set1_epi32(0x7fff), _mm256_and_si256(top, _mm256_set1_epi32(1)));
+    const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(u, bias), 16);
+    const __m256i quiet = _mm256_or_si256(top, _mm256_set1_epi32(0x40)); /* NaN stays NaN */
+    return _mm256_blendv_epi8(rounded, quiet, _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+}
+
+/* Columns 0-7 (lo) and 8-15 (hi) of a block, rounded to bf16, to 16 consecutive outputs. */
+static inline void store16(uint16_t *dst, __m256 lo, __m256 hi) {
+    const __m256i packed = _mm256_packus_epi32(bf16_lanes(lo), bf16_lanes(hi)); /* lo0-3 hi0-3 | lo4-7 hi4-7 */
+    _mm256_storeu_si256((__m256i *)dst, _mm256_permute4x64_epi64(packed, 0xd8));
+}
+
+/* 8 bf16 -> 8 float32 (exact). */
+static inline __m256 widen8(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+
+/* Rows [m0, m0 + rows) of y for the column block nb; rows <= ROWS_PER_PASS. xf: x widened to float32, as
+ * bits (read as integers so that gcc sees they cannot alias the float accumulators, kept in registers). */
+static inline __attribute__((always_inline)) void column_block(const uint32_t *xf, const uint16_t *packed,
+                                                              const uint16_t *bias, uint16_t *y, int64_t m0,
+                                                              int64_t rows, int64_t nb, int64_t n, int64_t k) {
+    __m256 acc[2 * ROWS_PER_PASS]; /* row r: columns 0-7 in acc[2r], 8-15 in acc[2r + 1] */
+    for (int64_t r = 0; r < 2 * rows; ++r) acc[r] = _mm256_setzero_ps();
+    const uint32_t *xr = xf + m0 * k;
+    const __m256i *wp = (const __m256i *)(packed + nb * k * 16), high = _mm256_set1_epi32((int)0xffff0000u);
+    for (int64_t p = 0; p < k; ++p) {
+        const __m256i w = _mm256_loadu_si256(wp + p); /* lane i: column i (low half), column 8 + i (high) */
+        const __m256 wlo = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+        const __m256 whi = _mm256_castsi256_ps(_mm256_and_si256(w, high));
+        for (int64_t r = 0; r < rows; ++r) {
+            const __m256 xv = _mm256_castsi256_ps(_mm256_set1_epi32((int)xr[r * k + p]));
+            acc[2 * r] = _mm256_fmadd_ps(xv, wlo, acc[2 * r]);
+            acc[2 * r + 1] = _mm256_fmadd_ps(xv, whi, acc[2 * r + 1]);
+        }
+    }
+    const __m256 blo = bias ? widen8(bias + nb * 16) : _mm256_setzero_ps();
+    const __m256 bhi = bias ? widen8(bias + nb * 16 + 8) : _mm256_setzero_ps();
+    for (int64_t r = 0; r < rows; ++r)
+        store16(y + (m0 + r) * n + nb * 16, _mm256_add_ps(acc[2 * r], blo), _mm256_add_ps(acc[2 * r + 1], bhi));
+}
+
+static void column_block_any(const uint32_t *xf, const uint16_t *packed, const uint16_t *bias, uint16_t *y,
+                             int64_t m0, int64_t rows, int64_t nb, int64_t n, int64_t k) {
+    switch (rows) {
+#define CASE(R) \
+    case R: column_block(xf, packed, bias, y, m0, R, nb, n, k); break;
+        CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6)
+#undef CASE
+    }
+}
 #endif
 
 /* y [M, N] = x [M, K] . w^T (+ bias [N]), all bf16, with w packed by pack_weight. Column blocks are split over
- * the threads; each block's 16 x K weights stay in cache while every 16-row pass of x uses them. */
+ * the threads; each block's 16 x K weights stay in cache while every pass of ROWS_PER_PASS rows of x uses
+ * them. Status: 0 ok, 1 bad shape, 2 no path in this build, 3 out of memory. */
 int skinny_gemm(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, uint16_t *y, int64_t m,
                 int64_t n, int64_t k, int num_threads) {
-#if defined(__AVX512BF16__)
+#if LAYOUT != 0
     if (n % 16 || k % 2) return 1;
+#if LAYOUT == 1
+    const uint16_t *xs = x;
+#else
+    uint32_t *xs = malloc(sizeof(uint32_t) * (size_t)(m * k > 0 ? m * k : 1));
+    if (!xs) return 3;
+    for (int64_t i = 0; i < m * k; ++i) xs[i] = (uint32_t)x[i] << 16; /* bf16 -> float32 bits, exact */
+#endif
 #pragma omp parallel for num_threads(num_threads) schedule(static)
     for (int64_t nb = 0; nb < n / 16; ++nb)
         for (int64_t m0 = 0; m0 < m; m0 += ROWS_PER_PASS)
-            column_block_any(x, packed, bias, y, m0, m - m0 < ROWS_PER_PASS ? m - m0 : ROWS_PER_PASS, nb, n, k);
+            column_block_any(xs, packed, bias, y, m0, m - m0 < ROWS_PER_PASS ? m - m0 : ROWS_PER_PASS, nb, n, k);
+#if LAYOUT == 2
+    free(xs);
+#endif
     return 0;
 #else
     (void)x, (void)packed, (void)bias, (void)y, (void)m, (void)n, (void)k, (void)num_threads;
