@@ -20,7 +20,6 @@ import copy
 import dataclasses
 import logging
 import threading
-import time
 import uuid
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable, Optional
