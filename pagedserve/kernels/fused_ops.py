@@ -1,11 +1,13 @@
-"""Fused elementwise ops of a Llama layer (csrc/fused_ops.c): RMSNorm with the residual add, and rotary
-embedding with the KV-cache write. Each is one pass instead of several torch ops and temporaries,
+"""Fused elementwise ops of a Llama layer (csrc/fused_ops.c): RMSNorm with the residual add, rotary
+embedding with the KV-cache write, and SwiGLU. Each is one pass instead of several torch ops and temporaries,
 with the reference's rounding kept (see the C file). The layers ask `fuses_norm(x)` / `fuses_rotary(x)` and
 fall back to their torch code where the answer is False (no compiler, CUDA, float16).
 
 In bfloat16 both match the torch reference bit for bit. In float32 only the rotary kernel does: the norm's
 sum of squares rounds differently from torch's vectorized reduction in the last bit, so float32 keeps the
-torch norm (float32 is the dtype that the exactness tests pin to transformers).
+torch norm (float32 is the dtype that the exactness tests pin to transformers). SwiGLU is used in bfloat16
+only: its exp is not torch's, so a result may differ from torch's by one bf16 rounding step (and in float32
+it would break the token-for-token match with transformers).
 
 The C file is plain C (no intrinsics): one path, auto-vectorized by gcc for the ISA level in force
 (kernels/build.py: avx512_bf16, avx512, avx2 or generic), and bit-exact at every level."""
@@ -24,6 +26,7 @@ _P, _I64, _F, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_i
 _SIGNATURES = {
     "rms_norm": [_P, _P, _P, _P, _I64, _I64, _F, _INT, _INT],
     "rotary_and_cache": [_P, _I64, _P, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _INT, _INT],
+    "swiglu": [_P, _P, _I64, _I64, _INT, _INT],
 }
 # Rounding must happen where the reference rounds: no fusing of a rounded multiply into an add.
 _EXTRA_FLAGS = ("-ffp-contract=off",)
@@ -48,6 +51,11 @@ def fuses_rotary(x: torch.Tensor) -> bool:
 def fuses_norm(x: torch.Tensor) -> bool:
     """Whether `rms_norm` handles x exactly as the reference would (CPU bfloat16)."""
     return x.device.type == "cpu" and x.dtype == torch.bfloat16 and _lib() is not None
+
+
+def fuses_swiglu(x: torch.Tensor) -> bool:
+    """Whether `swiglu` takes over from torch's silu(gate) * up for x (CPU bfloat16)."""
+    return fuses_norm(x)
 
 
 def _check(status: int, name: str) -> None:
@@ -83,3 +91,13 @@ def rotary_and_cache(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tens
         qkv.data_ptr(), qkv.shape[1], positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
         key_cache.data_ptr(), value_cache.data_ptr(), slot_mapping.data_ptr(), tokens, num_heads, num_kv_heads,
         head_dim, value_cache.shape[2], _DTYPES[qkv.dtype], torch.get_num_threads()), "rotary_and_cache")
+
+
+def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for gate_up [rows, 2 * d] (gate first) -> [rows, d]."""
+    gate_up = gate_up.contiguous()
+    rows, width = gate_up.shape
+    out = torch.empty(rows, width // 2, dtype=gate_up.dtype)
+    _check(_lib().swiglu(gate_up.data_ptr(), out.data_ptr(), rows, width // 2, _DTYPES[gate_up.dtype],
+                         torch.get_num_threads()), "swiglu")
+    return out

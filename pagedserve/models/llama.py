@@ -6,14 +6,17 @@ Parameter names follow HF checkpoints, except that q/k/v and gate/up are fused i
 
 from __future__ import annotations
 
+import math
 from typing import Iterable, NamedTuple, Optional
 
 import torch
 from torch import nn
 
 from pagedserve.attention.torch_paged import paged_attention
+from pagedserve.executor.cpu_allocator import huge_page_zeros
 from pagedserve.executor.forward_context import get_attention_metadata
 from pagedserve.kernels import fused_ops, skinny_gemm
+from pagedserve.kernels.decode_layers import DecodeLayers
 from pagedserve.layers.activation import silu_and_mul
 from pagedserve.layers.linear import Linear
 from pagedserve.layers.norm import RMSNorm
@@ -122,6 +125,7 @@ class LlamaForCausalLM(nn.Module):
         attn = self.model.layers[0].self_attn
         self.rotary = RotaryEmbedding(config, attn.head_dim, max_positions)
         self._packed_lm_head: Optional[skinny_gemm.PackedWeight] = None
+        self._decode_layers: Optional[DecodeLayers] = None
 
     @staticmethod
     def attention_biases(config) -> tuple[bool, bool]:
@@ -139,9 +143,13 @@ class LlamaForCausalLM(nn.Module):
             rope = RopeInputs(positions, self.rotary)
         else:  # gathered once per step, shared by all layers
             rope = RopeInputs(positions, self.rotary, *self.rotary.cos_sin(positions, hidden.dtype))
-        residual = None
-        for layer in self.model.layers:
-            hidden, residual = layer(hidden, residual, rope)
+        meta = get_attention_metadata()
+        if self._decode_layers is not None and DecodeLayers.runs(hidden.shape[0], meta):
+            hidden, residual = self._decode_layers.forward(hidden, positions, self.rotary.cos, self.rotary.sin, meta)
+        else:
+            residual = None
+            for layer in self.model.layers:
+                hidden, residual = layer(hidden, residual, rope)
         hidden, _ = self.model.norm(hidden, residual)
         return hidden
 
@@ -154,9 +162,20 @@ class LlamaForCausalLM(nn.Module):
 
     def pack_for_small_batches(self) -> int:
         """Give every linear layer and the LM head a weight copy laid out for small batches (CPU bfloat16;
-        see layers/linear.py). Returns how many were packed; call after the weights are loaded."""
-        packed = sum(m.pack_for_small_batches() for m in self.modules() if isinstance(m, Linear))
-        self._packed_lm_head = skinny_gemm.PackedWeight.of(self.lm_head_weight)
+        see layers/linear.py), and, where every kernel has its C path, run the layers of small decode-only
+        steps as one C call (kernels/decode_layers.py). Returns how many weights were packed; call after the
+        weights are loaded and the KV cache is bound."""
+        linears = [m for m in self.modules() if isinstance(m, Linear)]
+        weights = [m.weight for m in linears] + [self.lm_head_weight]
+        shapes = [skinny_gemm.PackedWeight.packed_shape(w) for w in weights]
+        # One buffer for all of them, in huge pages: a small decode step streams every packed weight once.
+        sizes = [math.prod(shape) if shape else 0 for shape in shapes]
+        arena = huge_page_zeros(2 * sum(sizes)).view(torch.bfloat16) if any(sizes) else None
+        offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+        views = [arena[o:o + n] if n else None for o, n in zip(offsets, sizes)]
+        packed = sum(m.pack_for_small_batches(view) for m, view in zip(linears, views))
+        self._packed_lm_head = skinny_gemm.PackedWeight.of(self.lm_head_weight, views[-1])
+        self._decode_layers = DecodeLayers.build(self)
         return packed + (self._packed_lm_head is not None)
 
     def bind_kv_cache(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:

@@ -19,6 +19,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "fast_exp.h"
 
 #define MAX_GROUP 16
 #define MAX_HEAD_DIM 256  /* also: MAX_GROUP * 128 <= MAX_GROUP * MAX_HEAD_DIM for the fast path's output */
@@ -45,26 +46,6 @@ static inline void key_tile_to_rows(const void *src, int bf16, int64_t n, int64_
             const int64_t at = (d / pack) * block_size * pack + t * pack + d % pack;
             rows[t * head_dim + d] = bf16 ? bf16_to_f32(((const uint16_t *)src)[at]) : ((const float *)src)[at];
         }
-}
-
-/* exp(x) for x <= 0 (scores minus their max), vectorizable, unlike libm's expf without -ffast-math:
- * exp(x) = 2^n * 2^f with n = round(x * log2 e) and |f| <= 1/2; 2^f by its Taylor series to degree 7,
- * whose truncation error (<= (ln2 / 2)^8 / 8! ~ 5e-9) is below float32 rounding. */
-static inline float exp_nonpositive(float x) {
-    const float t = (x < -87.f ? -87.f : x) * 1.4426950408889634f;
-    const float n = __builtin_floorf(t + 0.5f), f = (t - n) * 0.6931471805599453f;
-    float p = 1.f / 5040.f;
-    p = p * f + 1.f / 720.f;
-    p = p * f + 1.f / 120.f;
-    p = p * f + 1.f / 24.f;
-    p = p * f + 1.f / 6.f;
-    p = p * f + 0.5f;
-    p = p * f + 1.f;
-    p = p * f + 1.f;
-    const uint32_t bits = (uint32_t)((int32_t)n + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return p * scale;
 }
 
 /* Each of the group's score rows [len] (row g at scores + g * len, maximum maxs[g]) -> its softmax, in place. */

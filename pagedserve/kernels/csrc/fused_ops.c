@@ -1,5 +1,5 @@
 /* Fused elementwise ops of a Llama layer for CPU: each replaces several torch ops (and their temporaries)
- * with one pass over the rows. (SwiGLU is left to torch: its two vectorized ops beat a fused C loop here.)
+ * with one pass over the rows.
  *
  * Every op rounds exactly where the Hugging Face reference rounds: in bfloat16, each torch op rounds its
  * float32 result to bf16, so a product that torch rounds before adding is rounded here too. Built with
@@ -12,6 +12,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "fast_exp.h"
 
 /* Below this many elements a single thread is faster than waking the pool. */
 #define PARALLEL_MIN_ELEMS 32768
@@ -146,6 +147,30 @@ int rotary_and_cache(void *qkv, int64_t row_stride, const int64_t *positions, co
 #define ROW(BF16) rotary_and_cache_row(qkv, row_stride, positions, cos_table, sin_table, key_cache, value_cache, \
                                        slots, r, num_heads, kv_heads, head_dim, block_size, BF16)
     FOR_ROWS_BY_DTYPE(tokens, threads, bf16, ROW);
+#undef ROW
+    return 0;
+}
+
+/* SwiGLU of one row of a fused gate/up projection [2 * d] (gate first): out[i] = round(round(silu(g)) * u), with
+ * silu(g) = g / (1 + exp(-g)) in float32 as torch computes it (exp of a non-positive argument only, so that it
+ * vectorizes: for g < 0 the same quotient is g * e / (1 + e) with e = exp(g)). The exp polynomial may differ
+ * from torch's in the last float32 bit, so in bfloat16 a result can differ from torch's by one rounding step. */
+static inline __attribute__((always_inline)) void swiglu_row(const void *gate_up, void *out, int64_t r, int64_t d,
+                                                             const int bf16) {
+    const int64_t in = r * 2 * d, at = r * d;
+#pragma omp simd
+    for (int64_t i = 0; i < d; ++i) {
+        const float g = load_at(gate_up, in + i, bf16), u = load_at(gate_up, in + d + i, bf16);
+        const float e = exp_nonpositive(-fabsf(g));
+        const float silu = g >= 0.f ? g / (1.f + e) : g * e / (1.f + e);
+        store_at(out, at + i, round_to(silu, bf16) * u, bf16);
+    }
+}
+
+int swiglu(const void *gate_up, void *out, int64_t rows, int64_t d, int bf16, int num_threads) {
+    const int threads = rows * d >= PARALLEL_MIN_ELEMS ? num_threads : 1;
+#define ROW(BF16) swiglu_row(gate_up, out, r, d, BF16)
+    FOR_ROWS_BY_DTYPE(rows, threads, bf16, ROW);
 #undef ROW
     return 0;
 }

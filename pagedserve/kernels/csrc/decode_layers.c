@@ -1,0 +1,102 @@
+/* All decoder layers of one decode step, for a small batch in bfloat16, as one call from Python.
+ *
+ * With a few sequences a step's kernels are short (tens of microseconds each), and the Python between them
+ * (module calls, tensor allocations, ctypes argument conversion: ~300 calls a step) took as long as the
+ * matmuls themselves. This file owns no arithmetic: it runs the same kernels the Python path runs (RMSNorm,
+ * the small-batch matmul, RoPE + KV write, decode attention, SwiGLU: function pointers into their own
+ * libraries, each built with its own flags), in the same order on the same buffers, so the result is bit for
+ * bit that of the Python path (tests/kernels/test_decode_layers.py checks it).
+ *
+ * Per layer, as LlamaDecoderLayer.forward (x: the layer's input, res: the residual stream):
+ *   h = norm(x, res)   [first layer: res = x, h = norm(x)]
+ *   qkv = h W_qkv (+ b); rotate q, k and store k, v in the cache; q copied out contiguous
+ *   x = attention(q) W_o (+ b);  h = norm(x, res);  x = swiglu(h W_gate_up (+ b)) W_down (+ b)
+ * On return `hidden` holds the last layer's x and `residual` the stream; the caller applies the final norm.
+ */
+#include <stdint.h>
+#include <string.h>
+
+typedef int (*rms_norm_fn)(const void *x, void *residual, const void *weight, void *out, int64_t rows,
+                           int64_t dim, float eps, int bf16, int threads);
+typedef int (*gemm_fn)(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, uint16_t *y, int64_t m,
+                       int64_t n, int64_t k, int threads);
+typedef int (*rotary_fn)(void *qkv, int64_t row_stride, const int64_t *positions, const float *cos_table,
+                         const float *sin_table, void *key_cache, void *value_cache, const int64_t *slots,
+                         int64_t tokens, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size,
+                         int bf16, int threads);
+typedef int (*attention_fn)(const void *query, const void *key_cache, const void *value_cache,
+                            const int64_t *block_tables, const int64_t *context_lens, void *out, int64_t batch,
+                            int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size,
+                            int64_t max_blocks, float scale, int threads);
+typedef int (*swiglu_fn)(const void *gate_up, void *out, int64_t rows, int64_t d, int bf16, int threads);
+
+typedef struct {
+    rms_norm_fn rms_norm;
+    gemm_fn gemm;
+    rotary_fn rotary;
+    attention_fn attention;
+    swiglu_fn swiglu;
+} Kernels;
+
+typedef struct { /* one layer's weights (packed for the gemm; biases NULL when absent) and its KV cache */
+    const void *input_norm, *post_norm;
+    const void *qkv, *qkv_bias, *o, *o_bias, *gate_up, *gate_up_bias, *down, *down_bias;
+    void *key_cache, *value_cache;
+} Layer;
+
+typedef struct {
+    int64_t hidden, heads, kv_heads, head_dim, intermediate, block_size;
+    float eps, scale;
+} Shape;
+
+typedef struct { /* this step */
+    int64_t rows, max_blocks;
+    const int64_t *positions, *slots, *block_tables, *context_lens;
+    const float *cos_table, *sin_table;
+    uint16_t *hidden, *residual; /* [rows, hidden] each: in (embeddings in hidden) and out */
+    uint16_t *scratch;           /* scratch_elements(shape, rows) bf16 values */
+    int threads;
+} Step;
+
+/* bf16 elements of scratch a step of `rows` needs: qkv, q, attention out, normed h, gate_up, activation. */
+int64_t scratch_elements(const Shape *s, int64_t rows) {
+    const int64_t q = s->heads * s->head_dim, qkv = q + 2 * s->kv_heads * s->head_dim;
+    return rows * (qkv + 2 * q + s->hidden + 3 * s->intermediate);
+}
+
+static int layer(const Kernels *k, const Layer *w, const Shape *s, const Step *st, int first) {
+    const int64_t m = st->rows, q_size = s->heads * s->head_dim, qkv_size = q_size + 2 * s->kv_heads * s->head_dim;
+    uint16_t *qkv = st->scratch, *q = qkv + m * qkv_size, *attn = q + m * q_size, *h = attn + m * q_size;
+    uint16_t *gate_up = h + m * s->hidden, *act = gate_up + m * 2 * s->intermediate;
+    const int t = st->threads;
+    int status;
+    if (first) {
+        memcpy(st->residual, st->hidden, sizeof(uint16_t) * (size_t)(m * s->hidden));
+        status = k->rms_norm(st->hidden, NULL, w->input_norm, h, m, s->hidden, s->eps, 1, t);
+    } else {
+        status = k->rms_norm(st->hidden, st->residual, w->input_norm, h, m, s->hidden, s->eps, 1, t);
+    }
+    if (status || (status = k->gemm(h, w->qkv, w->qkv_bias, qkv, m, qkv_size, s->hidden, t))) return status;
+    status = k->rotary(qkv, qkv_size, st->positions, st->cos_table, st->sin_table, w->key_cache, w->value_cache,
+                       st->slots, m, s->heads, s->kv_heads, s->head_dim, s->block_size, 1, t);
+    if (status) return status;
+    for (int64_t r = 0; r < m; ++r)
+        memcpy(q + r * q_size, qkv + r * qkv_size, sizeof(uint16_t) * (size_t)q_size);
+    status = k->attention(q, w->key_cache, w->value_cache, st->block_tables, st->context_lens, attn, m, s->heads,
+                          s->kv_heads, s->head_dim, s->block_size, st->max_blocks, s->scale, t);
+    if (status || (status = k->gemm(attn, w->o, w->o_bias, st->hidden, m, s->hidden, q_size, t))) return status;
+    if ((status = k->rms_norm(st->hidden, st->residual, w->post_norm, h, m, s->hidden, s->eps, 1, t))) return status;
+    if ((status = k->gemm(h, w->gate_up, w->gate_up_bias, gate_up, m, 2 * s->intermediate, s->hidden, t)))
+        return status;
+    if ((status = k->swiglu(gate_up, act, m, s->intermediate, 1, t))) return status;
+    return k->gemm(act, w->down, w->down_bias, st->hidden, m, s->hidden, s->intermediate, t);
+}
+
+/* Returns 0, or 100 * (layer + 1) + the failing kernel's status. */
+int decode_layers(const Kernels *k, const Layer *layers, int64_t num_layers, const Shape *s, const Step *st) {
+    for (int64_t i = 0; i < num_layers; ++i) {
+        const int status = layer(k, layers + i, s, st, i == 0);
+        if (status) return (int)(100 * (i + 1)) + status;
+    }
+    return 0;
+}

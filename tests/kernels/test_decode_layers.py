@@ -1,0 +1,52 @@
+"""decode_layers: a small decode-only step's layers as one C call give exactly the Python path's outputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedserve import LLM, SamplingParams
+from pagedserve.kernels import decode_layers
+
+
+@pytest.fixture(scope="module")
+def bf16_llm(tiny_llama_dir):
+    llm = LLM(tiny_llama_dir, dtype="bfloat16", kv_cache_memory_bytes=1 << 22, max_model_len=256)
+    if llm.engine.runner.model._decode_layers is None:
+        pytest.skip("no C path for every kernel here (bf16 small-batch matmul, fused ops, decode attention)")
+    return llm
+
+
+def test_c_layers_give_the_python_layers_tokens_and_logprobs_bit_for_bit(bf16_llm):
+    model = bf16_llm.engine.runner.model
+    prompts = ["The quick brown fox", "Paged attention", "Hello", "12345 678", "Bonjour"]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=3)
+    fast = bf16_llm.generate(prompts, params, use_tqdm=False)
+    saved, model._decode_layers = model._decode_layers, None
+    try:
+        slow = bf16_llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        model._decode_layers = saved
+    for a, b in zip(fast, slow):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].cumulative_logprob == b.outputs[0].cumulative_logprob
+
+
+def test_c_layers_run_only_for_small_decode_only_steps(bf16_llm, monkeypatch):
+    model = bf16_llm.engine.runner.model
+    calls = []
+    original = decode_layers.DecodeLayers.forward
+    monkeypatch.setattr(decode_layers.DecodeLayers, "forward",
+                        lambda self, hidden, *a: calls.append(hidden.shape[0]) or original(self, hidden, *a))
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    bf16_llm.generate(["one prompt of a few tokens"] * 3, params, use_tqdm=False)
+    assert calls and set(calls) == {3}  # the prefill step took the Python path; each decode step the C one
+    assert model._decode_layers.runs(32, _decode_only_meta(32)) and not model._decode_layers.runs(
+        33, _decode_only_meta(33))
+
+
+def _decode_only_meta(rows: int):
+    from pagedserve.attention.metadata import AttentionMetadata, DecodeBatch
+
+    decode = DecodeBatch(torch.zeros(rows, 1, dtype=torch.long), torch.ones(rows, dtype=torch.long), 1, 16)
+    return AttentionMetadata(torch.zeros(rows, dtype=torch.long), 1, 16, decode)
