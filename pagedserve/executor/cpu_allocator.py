@@ -1,4 +1,6 @@
-"""Keep freed memory in the process on CPU, so per-step activation buffers don't page-fault every step.
+"""CPU memory: keep freed memory in the process, and back the big long-lived buffers with huge pages.
+
+keep_freed_memory: so that per-step activation buffers don't page-fault every step.
 
 glibc returns large blocks (>= its mmap threshold, which adapts up to 32 MiB) to the OS when they are
 freed, and a step allocates tens of MiB of activations and gathered K/V per layer: every step then pays the
@@ -11,7 +13,10 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import mmap
 import sys
+
+import torch
 
 logger = logging.getLogger(__name__)
 
@@ -37,3 +42,18 @@ def keep_freed_memory() -> bool:
     if ok:
         logger.debug("glibc malloc: mmap threshold 32 MiB, trim threshold 1 GiB")
     return ok
+
+
+def huge_page_zeros(num_bytes: int) -> torch.Tensor:
+    """A zero-filled uint8 tensor of `num_bytes` in fresh anonymous memory that asks for transparent huge
+    pages (madvise; this machine's THP mode is usually "madvise", so nothing gets them unasked). For the
+    buffers every step streams through, the packed weights and the KV cache: with 4 KiB pages each step
+    takes a TLB miss for every 4 KiB of weights and of every scattered KV tile. Pages are zero and only
+    faulted in when first touched, so a multi-GiB KV cache still costs nothing at start-up."""
+    buffer = mmap.mmap(-1, max(num_bytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            buffer.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:  # THP off in this kernel: ordinary pages
+            pass
+    return torch.frombuffer(buffer, dtype=torch.uint8)[:num_bytes]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Optional
@@ -13,7 +14,7 @@ from pagedserve.attention.kv_layout import key_cache_shape, value_cache_shape
 from pagedserve.attention.metadata import AttentionMetadata, DecodeBatch, PrefillSeq
 from pagedserve.config import CacheConfig
 from pagedserve.core.scheduler_output import ScheduledRequest, SchedulerOutput
-from pagedserve.executor.cpu_allocator import keep_freed_memory
+from pagedserve.executor.cpu_allocator import huge_page_zeros, keep_freed_memory
 from pagedserve.executor.forward_context import set_forward_context
 from pagedserve.layers.sampler import Sampler, SamplingMetadata
 from pagedserve.loader.model_loader import LoadedModel
@@ -186,17 +187,14 @@ class ModelRunner:
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zero-filled tensor. On CPU it comes from calloc (through numpy), which maps fresh zero pages
-    without touching them: a multi-GiB KV cache costs nothing at start-up and pages fault in as blocks are
-    first used, instead of seconds of memset. Zeros matter: padded attention reads multiply stale slots
-    by zero probability, and stale NaNs would poison that."""
+    """A zero-filled tensor. On CPU it is fresh anonymous memory (huge pages asked for: cpu_allocator), whose
+    pages fault in as blocks are first used: a multi-GiB KV cache costs nothing at start-up, instead of
+    seconds of memset. Zeros matter: padded attention reads multiply stale slots by zero probability, and
+    stale NaNs would poison that."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    import numpy as np
-
     itemsize = torch.tensor([], dtype=dtype).element_size()
-    raw = np.zeros(int(np.prod(shape)) * itemsize, dtype=np.uint8)
-    return torch.from_numpy(raw).view(dtype).view(shape)
+    return huge_page_zeros(math.prod(shape) * itemsize).view(dtype).view(shape)
 
 
 def _available_ram() -> int:

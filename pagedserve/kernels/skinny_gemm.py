@@ -54,15 +54,25 @@ class PackedWeight:
     in_features: int
 
     @staticmethod
-    def of(weight: torch.Tensor) -> Optional["PackedWeight"]:
+    def packed_shape(weight: torch.Tensor) -> Optional[tuple[int, ...]]:
+        """The packed layout's shape for this weight, or None where the kernel cannot take it."""
         n, k = weight.shape
         if (weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or n % 16 or k % 2
                 or _lib() is None):
             return None
+        return _LAYOUTS[_lib()._layout](n, k)
+
+    @staticmethod
+    def of(weight: torch.Tensor, out: Optional[torch.Tensor] = None) -> Optional["PackedWeight"]:
+        """Pack `weight` (into `out`, a bf16 tensor of packed_shape's size, when given); None where the kernel
+        cannot take it."""
+        shape = PackedWeight.packed_shape(weight)
+        if shape is None:
+            return None
+        n, k = weight.shape
         weight = weight.detach().contiguous()
-        library = _lib()
-        data = torch.empty(_LAYOUTS[library._layout](n, k), dtype=torch.bfloat16)
-        if library.pack_weight(weight.data_ptr(), data.data_ptr(), n, k) != 0:
+        data = torch.empty(shape, dtype=torch.bfloat16) if out is None else out.view(shape)
+        if _lib().pack_weight(weight.data_ptr(), data.data_ptr(), n, k) != 0:
             return None
         return PackedWeight(data, n, k)
 

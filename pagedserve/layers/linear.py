@@ -19,8 +19,9 @@ class Linear(nn.Linear):
 
     packed: Optional[skinny_gemm.PackedWeight] = None
 
-    def pack_for_small_batches(self) -> bool:
-        self.packed = skinny_gemm.PackedWeight.of(self.weight)
+    def pack_for_small_batches(self, out: Optional[torch.Tensor] = None) -> bool:
+        """Pack the weight (into `out`, sized by PackedWeight.packed_shape, when given)."""
+        self.packed = skinny_gemm.PackedWeight.of(self.weight, out)
         return self.packed is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
