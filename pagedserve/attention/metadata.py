@@ -62,6 +62,10 @@ class AttentionMetadata:
     block_size: int
     decode: Optional[DecodeBatch] = None
     prefills: list[PrefillSeq] = field(default_factory=list)
+    per_token: Optional[DecodeBatch] = None
+    """Every token of the step as a decode of its own (its sequence's block table; context = its position + 1),
+    for the CPU kernel, which then computes prefill attention causally from the cache like decodes. Set by
+    the model runner on CPU only."""
     _key_index: dict = field(default_factory=dict, repr=False)
 
     @cached_property

@@ -32,6 +32,11 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     """
     if not kv_cached:
         write_kv_cache(key, value, key_cache, value_cache, meta)
+    if meta.per_token is not None and cpu_decode.supports(query, key_cache):
+        # Every token as a decode over the cache up to its own position: causal prefill without gathers, and
+        # much faster on CPU than SDPA on short prompts (docs/benchmarks.md).
+        pt = meta.per_token
+        return cpu_decode.decode_attention(query, key_cache, value_cache, pt.block_tables, pt.context_lens)
     num_tokens, num_heads, head_dim = query.shape
     if meta.decode is not None and not meta.prefills:
         return _decode_attention(query, key_cache, value_cache, meta.decode)

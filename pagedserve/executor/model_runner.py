@@ -124,10 +124,25 @@ class ModelRunner:
                 prefills.append(PrefillSeq(row, item.num_tokens, end, table))
             if item.samples:
                 sample_rows.append((index, row + item.num_tokens - 1))
+        positions_tensor = self._tensor(positions)
+        decode = self._decode_batch(items[:num_decodes]) if num_decodes else None
+        per_token = decode if not prefills else self._per_token_batch(items, positions_tensor)
         meta = AttentionMetadata(slot_mapping=self._tensor(slots), num_kv_heads=self.num_kv_heads,
-                                 block_size=block_size, prefills=prefills,
-                                 decode=self._decode_batch(items[:num_decodes]) if num_decodes else None)
-        return self._tensor(token_ids), self._tensor(positions), meta, sample_rows
+                                 block_size=block_size, prefills=prefills, decode=decode,
+                                 per_token=per_token if self.device.type == "cpu" else None)
+        return self._tensor(token_ids), positions_tensor, meta, sample_rows
+
+    def _per_token_batch(self, items: list[ScheduledRequest], positions: torch.Tensor) -> DecodeBatch:
+        """Each token attends its sequence's cache up to its own position (AttentionMetadata.per_token)."""
+        context_ends = [s.request.num_computed_tokens + s.num_tokens for s in items]
+        max_blocks = -(-max(context_ends) // self.block_size)
+        tables = torch.zeros(len(positions), max_blocks, dtype=torch.int64)
+        row = 0
+        for item, end in zip(items, context_ends):
+            blocks = item.block_ids[:-(-end // self.block_size)]
+            tables[row:row + item.num_tokens, :len(blocks)] = torch.tensor(blocks, dtype=torch.int64)
+            row += item.num_tokens
+        return DecodeBatch(tables, positions + 1, self.num_kv_heads, self.block_size)
 
     def _decode_batch(self, items: list[ScheduledRequest]) -> DecodeBatch:
         context_lens = [s.request.num_computed_tokens + 1 for s in items]
