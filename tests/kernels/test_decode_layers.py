@@ -9,11 +9,12 @@ from pagedserve import LLM, SamplingParams
 from pagedserve.kernels import decode_layers
 
 
-@pytest.fixture(scope="module")
-def bf16_llm(tiny_llama_dir):
+@pytest.fixture
+def bf16_llm(tiny_llama_dir, isa):
+    """A bf16 engine whose kernels (and packed weights) are those of the ISA level `isa`."""
     llm = LLM(tiny_llama_dir, dtype="bfloat16", kv_cache_memory_bytes=1 << 22, max_model_len=256)
     if llm.engine.runner.model._decode_layers is None:
-        pytest.skip("no C path for every kernel here (bf16 small-batch matmul, fused ops, decode attention)")
+        pytest.skip(f"no C path for every kernel at {isa} (bf16 small-batch matmul, fused ops, decode attention)")
     return llm
 
 
