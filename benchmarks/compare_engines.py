@@ -311,23 +311,23 @@ def rotated(engines: list[str], i: int) -> list[str]:
     return engines[i % len(engines):] + engines[:i % len(engines)]
 
 
-def measure_offline(engines: list[str], args) -> tuple[dict, str]:
+def measure_each(engines: list[str], args, run, key: str, unit: str) -> dict[str, list[dict]]:
+    """`run(engine, args)` --runs times per engine, the order rotating from run to run."""
     results: dict[str, list[dict]] = {e: [] for e in engines}
     for i in range(args.runs):
         for engine in rotated(engines, i):
-            r = run_offline(engine, args)
-            results[engine].append(r)
-            print(f"run {i + 1} {engine}: {r['output_tok_s']:.1f} out tok/s ({r['elapsed_s']:.1f} s)", flush=True)
+            results[engine].append(run(engine, args))
+            print(f"run {i + 1} {engine}: {results[engine][-1][key]:.1f} {unit}", flush=True)
+    return results
+
+
+def measure_offline(engines: list[str], args) -> tuple[dict, str]:
+    results = measure_each(engines, args, run_offline, "output_tok_s", "out tok/s")
     return results, offline_table(results)
 
 
 def measure_single_stream(engines: list[str], args) -> tuple[dict, str]:
-    results: dict[str, list[dict]] = {e: [] for e in engines}
-    for i in range(args.runs):
-        for engine in rotated(engines, i):
-            r = run_single_stream(engine, args)
-            results[engine].append(r)
-            print(f"run {i + 1} {engine}: {r['decode_tok_s']:.1f} decode tok/s", flush=True)
+    results = measure_each(engines, args, run_single_stream, "decode_tok_s", "decode tok/s")
     return results, single_stream_table(results)
 
 
