@@ -186,12 +186,16 @@ def run_serving(engine: str, args, workload: str, scenario: str, out_dir: str) -
         if scenario != "all_at_once":
             cmd += ["--max-concurrency", str(args.max_concurrency)]
         print(f"$ {' '.join(cmd)}", flush=True)
-        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-        with open(os.path.join(out_dir, f"{name}.json")) as f:
+        # bench serve exits 1 when some requests failed; its result file still has what completed.
+        bench = subprocess.run(cmd, stdout=subprocess.DEVNULL)
+        result_file = os.path.join(out_dir, f"{name}.json")
+        if not os.path.exists(result_file):
+            raise SystemExit(f"bench serve against {engine} failed ({bench.returncode}) without a result")
+        with open(result_file) as f:
             r = json.load(f)
     finally:
         stop_server(proc)
-    return {"ready_s": ready_s, **{k: r[k] for k in ("completed", "output_throughput", "median_ttft_ms",
+    return {"ready_s": ready_s, **{k: r[k] for k in ("completed", "failed", "output_throughput", "median_ttft_ms",
                                                      "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms")}}
 
 
@@ -252,13 +256,14 @@ def offline_table(results: dict[str, list[dict]]) -> str:
 
 
 def serving_table(results: dict[tuple[str, str], list[dict]]) -> str:
-    lines = ["| engine | scenario | ready s | out tok/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| engine | scenario | ready s | failed | out tok/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for (engine, scenario), runs in results.items():
         cells = [median_of(runs, k) for k in ("ready_s", "output_throughput", "median_ttft_ms", "p99_ttft_ms",
                                               "median_tpot_ms", "p99_tpot_ms")]
-        lines.append(f"| {engine} | {scenario} | {cells[0]:.1f} | {cells[1]:.1f} | {cells[2]:.0f} | {cells[3]:.0f} | "
-                     f"{cells[4]:.1f} | {cells[5]:.1f} |")
+        failed = max(r["failed"] for r in runs)
+        lines.append(f"| {engine} | {scenario} | {cells[0]:.1f} | {failed} | {cells[1]:.1f} | {cells[2]:.0f} | "
+                     f"{cells[3]:.0f} | {cells[4]:.1f} | {cells[5]:.1f} |")
     return "\n".join(lines)
 
 
