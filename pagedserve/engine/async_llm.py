@@ -146,6 +146,8 @@ class AsyncLLM:
     def _add(self, request_id: str, prompt: PromptType, params: SamplingParams, target: _Target) -> None:
         request = self.input_processor.process(request_id, prompt, params)
         with self._lock:
+            if self._dead_reason is not None:  # died since generate() looked: nobody would answer
+                raise EngineDeadError(f"the engine is not running ({self._dead_reason})")
             if request_id in self._targets:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self.output_processor.add_request(request_id, request.prompt, request.prompt_token_ids, request.params,
@@ -202,8 +204,8 @@ class AsyncLLM:
         else:
             logger.error("engine core died: %s", reason)
             error = EngineDeadError(f"the engine core died: {reason}")
-        self._dead_reason = reason
         with self._lock:
+            self._dead_reason = reason
             targets = list(self._targets.items())
             self._targets.clear()
             for request_id, _ in targets:

@@ -12,6 +12,7 @@ import itertools
 import logging
 import multiprocessing
 import pickle
+import queue
 import threading
 from concurrent.futures import Future
 from typing import Callable, Optional
@@ -33,11 +34,13 @@ class EngineCoreClient:
         self.process.start()
         child_conn.close()
         self._on_outputs, self._on_dead = on_outputs, on_dead
-        self._send_lock = threading.Lock()
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._calls: dict[int, Future] = {}
         self._call_ids = itertools.count()
         self._dead = False
         self._reader: Optional[threading.Thread] = None
+        self._writer = threading.Thread(target=self._write, name="pagedserve-core-writer", daemon=True)
+        self._writer.start()
 
     def wait_ready(self) -> CoreInfo:
         """Block until the core has loaded its model; its start-up error is raised here as a RuntimeError."""
@@ -57,15 +60,21 @@ class EngineCoreClient:
     # -- to the core ---------------------------------------------------------------------------------------
 
     def send(self, message: tuple) -> None:
-        """Send a message (thread-safe). Sending to a dead core is a no-op: on_dead has told the waiters."""
-        data = pickle.dumps(message, pickle.HIGHEST_PROTOCOL)
-        with self._send_lock:
-            if self._dead:
+        """Queue a message for the core (thread-safe, never blocks: a writer thread does the pipe write, so an
+        event loop does not wait while the core is busy stepping and the pipe is full). Sending to a dead core
+        is a no-op: on_dead has told the waiters."""
+        if not self._dead:
+            self._outbox.put(message)
+
+    def _write(self) -> None:
+        while True:
+            message = self._outbox.get()
+            if message is None or self._dead:
                 return
             try:
-                self._conn.send_bytes(data)
+                self._conn.send_bytes(pickle.dumps(message, pickle.HIGHEST_PROTOCOL))
             except (BrokenPipeError, ConnectionResetError, OSError):
-                pass  # the reader sees the closed pipe and reports it
+                return  # the reader sees the closed pipe and reports it
 
     def call(self, name: str, timeout: Optional[float] = 10.0):
         """Run a core method (core_proc.CALLABLE) between steps and return its result."""
@@ -98,8 +107,8 @@ class EngineCoreClient:
             logger.exception("engine-core reader failed")
             reason = f"the engine-core reader failed: {e!r}"
         finally:
-            with self._send_lock:
-                self._dead = True
+            self._dead = True
+            self._outbox.put(None)  # stops the writer
             for future in self._calls.values():
                 future.set_exception(RuntimeError(reason))
             self._calls.clear()
@@ -119,6 +128,8 @@ class EngineCoreClient:
                 logger.warning("engine core did not exit within %s s; killing it", timeout)
                 self.process.kill()
                 self.process.join(5)
-        if self._reader is not None and self._reader is not threading.current_thread():
-            self._reader.join(5)
+        self._outbox.put(None)  # the writer stops (the reader already has, unless the core never started)
+        for thread in (self._reader, self._writer):
+            if thread is not None and thread is not threading.current_thread():
+                thread.join(5)
         self._conn.close()
