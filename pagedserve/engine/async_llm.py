@@ -25,11 +25,10 @@ from dataclasses import dataclass
 from typing import AsyncIterator, Callable, Optional
 
 from pagedserve.config import EngineConfig
-from pagedserve.engine.core import QueueFullError
 from pagedserve.engine.core_client import EngineCoreClient
+from pagedserve.engine.core_output import QueueFullError
 from pagedserve.engine.input_processor import InputProcessor, PromptType
 from pagedserve.engine.output_processor import OutputProcessor
-from pagedserve.loader.model_loader import load_tokenizer
 from pagedserve.metrics.stats import EngineStats, IterationStats, StatsTracker
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
@@ -75,6 +74,8 @@ class AsyncLLM:
             config, model_config=dataclasses.replace(config.model_config, skip_tokenizer_init=True))
         self._client = EngineCoreClient(core_config, self._on_outputs, self._on_dead)
         try:
+            from pagedserve.loader.model_loader import load_tokenizer  # imports torch: after the core started
+
             self.tokenizer = load_tokenizer(config.model_config)
             self.info = self._client.wait_ready()
         except BaseException:

@@ -9,35 +9,18 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from dataclasses import dataclass
 from typing import Iterable, Optional
 
 from pagedserve.config import EngineConfig
 from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.request import Request, RequestStatus
 from pagedserve.core.scheduler import Scheduler
-from pagedserve.engine.core_output import EngineCoreOutput
+from pagedserve.engine.core_output import CoreInfo, EngineCoreOutput, QueueFullError
 from pagedserve.executor.model_runner import ModelRunner
 from pagedserve.loader.model_loader import LoadedModel, load_model
 from pagedserve.metrics.stats import EngineStats
 
 logger = logging.getLogger(__name__)
-
-
-class QueueFullError(RuntimeError):
-    """More requests are waiting to be scheduled than max_num_queued_requests allows."""
-
-
-@dataclass(frozen=True)
-class CoreInfo:
-    """What a front end needs to know about the core it talks to (sent once, when the core is ready)."""
-
-    max_model_len: int
-    vocab_size: int
-    eos_token_ids: frozenset[int]
-    num_blocks: int
-    block_size: int
-    bytes_per_block: int
 
 
 class EngineCore:

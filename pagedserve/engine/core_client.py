@@ -18,7 +18,7 @@ from concurrent.futures import Future
 from typing import Callable, Optional
 
 from pagedserve.config import EngineConfig
-from pagedserve.engine.core import CoreInfo
+from pagedserve.engine.core_output import CoreInfo
 from pagedserve.engine.core_proc import run_engine_core
 
 logger = logging.getLogger(__name__)

@@ -1,4 +1,6 @@
-"""What the engine core hands the front end for one request after a step."""
+"""What the engine core hands the front end: its CoreInfo once, an EngineCoreOutput per request per step, and
+QueueFullError for a request it refuses. Plain data, no torch: the front end imports this before (and
+without) the model."""
 
 from __future__ import annotations
 
@@ -19,3 +21,19 @@ class EngineCoreOutput:
     """Prompt tokens whose KV came from the prefix cache."""
     first_scheduled_time: Optional[float] = None
     """On a request's first output only: when the scheduler first ran it (queue-time metrics)."""
+
+
+@dataclass(frozen=True)
+class CoreInfo:
+    """What a front end needs to know about the core it talks to (sent once, when the core is ready)."""
+
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: frozenset[int]
+    num_blocks: int
+    block_size: int
+    bytes_per_block: int
+
+
+class QueueFullError(RuntimeError):
+    """More requests are waiting to be scheduled than max_num_queued_requests allows."""
