@@ -1,7 +1,7 @@
-"""What the engine thread publishes after each step: a gauge snapshot and the step's per-request events.
+"""What a front end publishes after each step: the core's gauge snapshot and the step's per-request events.
 
-Built on the engine thread (the only one that reads engine internals) and handed to stat loggers, which must
-treat them as read-only.
+EngineStats is built by the core; IterationStats on the thread that processes outputs; both are handed to stat
+loggers, which must treat them as read-only.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""AsyncLLM: the engine thread, per-request queues, early-exit aborts, queue limit, shutdown, stats."""
+"""AsyncLLM: the engine-core process, per-request queues, early-exit aborts, queue limit, shutdown, stats."""
 
 from __future__ import annotations
 

@@ -4,7 +4,6 @@ async plumbing (several engine streams merged into one, a client disconnect canc
 from __future__ import annotations
 
 import asyncio
-import copy
 import hashlib
 import json
 import time
@@ -50,8 +49,8 @@ class ServingBase:
     def __init__(self, async_llm: AsyncLLM, config: ServerConfig) -> None:
         self.async_llm = async_llm
         self.config = config
-        # The HTTP side tokenizes with its own copy: the engine thread's detokenizers use the original.
-        self.tokenizer = copy.deepcopy(async_llm.tokenizer) if async_llm.tokenizer is not None else None
+        # The event loop's tokenizer (AsyncLLM's output thread detokenizes with another copy).
+        self.tokenizer = async_llm.input_processor.tokenizer
         self.max_model_len = async_llm.max_model_len
         self.vocab_size = async_llm.vocab_size
 
