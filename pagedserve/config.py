@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+SCHEDULING_POLICIES = ("fcfs", "priority", "fair")
 
 
 @dataclass(frozen=True)
@@ -62,11 +63,23 @@ class SchedulerConfig:
     """Longest sequence in tokens; filled in from ModelConfig once the model is known."""
     enable_chunked_prefill: bool = True
     """Split long prompts over several steps so decodes keep flowing."""
+    scheduling_policy: str = "fcfs"
+    """fcfs: first come, first served. priority: by each request's priority (lower first), then arrival; when
+    blocks run out the worst priority is preempted, and a better request preempts worse ones to start at once.
+    fair: as priority, and among equal priorities each tenant gets an equal share of computed tokens."""
+    scheduler_delay_factor: float = 0.0
+    """While requests are running, a new prefill waits until the oldest waiting request has waited this many
+    times the last step's duration, so that arrivals batch together (0 = never wait)."""
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
+                             f"got {self.scheduling_policy!r}")
+        if not self.scheduler_delay_factor >= 0:
+            raise ValueError(f"scheduler_delay_factor must be >= 0, got {self.scheduler_delay_factor}")
 
 
 @dataclass(frozen=True)

@@ -23,11 +23,12 @@ class LLM:
 
     def generate(self, prompts: Union[PromptType, Sequence[PromptType]],
                  sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: Optional[Sequence[int]] = None) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in input order.
 
         A prompt is a string, {"prompt_token_ids": [...]} or a list of token ids. `sampling_params` is one
-        SamplingParams for all prompts or one per prompt.
+        SamplingParams for all prompts or one per prompt. `priority` (one int per prompt, lower runs first,
+        as in vLLM) needs scheduling_policy="priority" or "fair".
         """
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -38,11 +39,14 @@ class LLM:
             params_list = list(sampling_params)
             if len(params_list) != len(prompts):
                 raise ValueError(f"got {len(params_list)} sampling_params for {len(prompts)} prompts")
+        priorities = [0] * len(prompts) if priority is None else list(priority)
+        if len(priorities) != len(prompts):
+            raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts")
         request_ids = []
         try:
-            for prompt, params in zip(prompts, params_list):
+            for prompt, params, prio in zip(prompts, params_list, priorities):
                 request_id = self.engine.new_request_id()
-                self.engine.add_request(request_id, prompt, params)
+                self.engine.add_request(request_id, prompt, params, priority=prio)
                 request_ids.append(request_id)
             return self._run(request_ids, use_tqdm)
         except BaseException:

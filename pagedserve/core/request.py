@@ -51,6 +51,8 @@ class Request:
         eos_token_ids: frozenset[int] = frozenset(),
         arrival_time: Optional[float] = None,
         cache_salt: Optional[str] = None,
+        priority: int = 0,
+        tenant: Optional[str] = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -64,6 +66,10 @@ class Request:
         self.stop_reason: Optional[int | str] = None
         self.num_preemptions = 0
         self.cache_salt = cache_salt
+        self.priority = priority
+        """Lower runs first (vLLM's convention); only the priority and fair policies look at it."""
+        self.tenant = tenant
+        """Who sent it (a tenant name or None): the fair policy shares computed tokens between tenants."""
         self.num_cached_tokens = 0
         """Prompt tokens found in the prefix cache when the request was first scheduled."""
         self.first_scheduled_time: Optional[float] = None

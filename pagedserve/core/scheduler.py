@@ -8,24 +8,29 @@ preemption are the same thing seen from here.
 from __future__ import annotations
 
 import time
-from collections import deque
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 from pagedserve.config import SchedulerConfig
 from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.request import Request, RequestStatus
+from pagedserve.core.sched_policy import make_policy
 from pagedserve.core.scheduler_output import ScheduledRequest, SchedulerOutput
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
+                 clock: Callable[[], float] = time.time) -> None:
         self.config = config
         self.kv = kv_cache_manager
-        self.waiting: deque[Request] = deque()
+        self.policy = make_policy(config.scheduling_policy, config.max_num_batched_tokens)
+        self.waiting = self.policy.new_waiting_queue()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self._finished_since_last_step: list[str] = []
         self.num_preemptions_total = 0
+        self._clock = clock
+        self._last_schedule_time: Optional[float] = None
+        self._last_step_duration = 0.0
 
     # -- admission -------------------------------------------------------------------------------------
 
@@ -41,55 +46,134 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self.policy.on_add(request)
+        self.waiting.push(request)
 
     # -- one step --------------------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(finished_request_ids=self._finished_since_last_step)
         self._finished_since_last_step = []
-        budget = self.config.max_num_batched_tokens
+        admit = self._admission_open()
+        if self.policy.preemptive:
+            self._schedule_by_key(out, admit)
+        else:
+            self._schedule_fcfs(out, admit)
+        return out
 
+    def _admission_open(self) -> bool:
+        """scheduler_delay_factor: while requests run, hold new prefills back until the oldest waiting request
+        has waited factor x the last step's duration, so that arrivals close together share a step."""
+        now = self._clock()
+        if self._last_schedule_time is not None:
+            self._last_step_duration = now - self._last_schedule_time
+        self._last_schedule_time = now
+        factor = self.config.scheduler_delay_factor
+        if factor <= 0 or not self.running or not len(self.waiting):
+            return True
+        oldest = min(r.arrival_time for r in self.waiting)
+        return now - oldest >= factor * self._last_step_duration
+
+    def _schedule_fcfs(self, out: SchedulerOutput, admit: bool) -> None:
+        budget = self.config.max_num_batched_tokens
         # Running requests first, oldest first; when blocks run out, preempt the newest.
         i = 0
         while i < len(self.running) and budget > 0:
-            request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if self._allocate_or_preempt(request, num_new, out):
-                out.scheduled.append(ScheduledRequest(request, num_new, self.kv.get_block_ids(request.request_id)))
-                budget -= num_new
+            scheduled = self._schedule_running(self.running[i], budget, out)
+            if scheduled is not None:
+                budget -= scheduled
                 i += 1
-
         # Then waiting requests, in order, unless this step already had to preempt (memory is tight).
-        while (self.waiting and budget > 0 and not out.preempted_request_ids
+        while (admit and len(self.waiting) and budget > 0 and not out.preempted_request_ids
                and len(self.running) < self.config.max_num_seqs):
-            request = self.waiting[0]
-            # Waiting requests have no KV (new, or preempted); their leading blocks may be in the cache.
-            computed_blocks = self.kv.get_computed_blocks(request)
-            num_cached = len(computed_blocks) * self.kv.block_size
-            num_new = request.num_tokens - num_cached
-            if num_new > budget:
-                if not self.config.enable_chunked_prefill:
-                    break
-                num_new = budget
-            request.num_computed_tokens = num_cached
-            if not self.kv.allocate_slots(request, num_new, computed_blocks):
-                request.num_computed_tokens = 0
+            scheduled = self._try_admit(self.waiting.peek(), budget, out)
+            if scheduled is None:
                 break
-            self.kv.record_prefix_lookup(request.num_tokens, num_cached)
-            self.waiting.popleft()
-            request.status = RequestStatus.RUNNING
-            if request.first_scheduled_time is None:
-                request.first_scheduled_time = time.time()
-                request.num_cached_tokens = num_cached
-            self.running.append(request)
-            out.scheduled.append(ScheduledRequest(request, num_new, self.kv.get_block_ids(request.request_id)))
-            budget -= num_new
-        return out
+            self.running.append(self.waiting.pop_head())
+            budget -= scheduled
+
+    def _schedule_by_key(self, out: SchedulerOutput, admit: bool) -> None:
+        """Running and waiting requests in one walk in key order (running first among equals); a waiting
+        request that finds no blocks or no batch slot preempts the running requests that sort after it."""
+        key = self.policy.key
+        self.policy.before_schedule(self.waiting)
+        self.running.sort(key=key)
+        budget, i, admitted = self.config.max_num_batched_tokens, 0, []
+        while budget > 0:
+            head = self.waiting.peek() if admit and len(self.waiting) else None
+            if i < len(self.running) and (head is None or not key(head) < key(self.running[i])):
+                scheduled = self._schedule_running(self.running[i], budget, out)
+                if scheduled is not None:
+                    budget -= scheduled
+                    i += 1
+                continue
+            if head is None:
+                break
+            if head.request_id in out.preempted_request_ids:
+                admit = False  # nothing better left to admit than what this step had to preempt
+                continue
+            scheduled = self._admit_preempting(head, budget, out, first_unscheduled=i, num_admitted=len(admitted))
+            if scheduled is None:
+                admit = False
+                continue
+            admitted.append(self.waiting.pop_head())
+            budget -= scheduled
+        self.running.extend(admitted)
+
+    def _schedule_running(self, request: Request, budget: int, out: SchedulerOutput) -> Optional[int]:
+        """Schedule a running request's next tokens; the number scheduled, or None when it was preempted."""
+        num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+        if not self._allocate_or_preempt(request, num_new, out):
+            return None
+        out.scheduled.append(ScheduledRequest(request, num_new, self.kv.get_block_ids(request.request_id)))
+        return num_new
+
+    def _admit_preempting(self, request: Request, budget: int, out: SchedulerOutput, first_unscheduled: int,
+                          num_admitted: int) -> Optional[int]:
+        """Admit a waiting request, preempting running requests it may preempt (worst first, never one
+        already scheduled this step) while it finds no room."""
+        if not self.config.enable_chunked_prefill and self._prefill_size(request)[2] > budget:
+            return None  # preempting frees blocks and slots, not this step's token budget
+        while True:
+            if len(self.running) + num_admitted < self.config.max_num_seqs:
+                scheduled = self._try_admit(request, budget, out)
+                if scheduled is not None:
+                    return scheduled
+            if len(self.running) <= first_unscheduled or not self.policy.may_preempt(request, self.running[-1]):
+                return None
+            victim = self.running.pop()
+            self._preempt(victim)
+            out.preempted_request_ids.append(victim.request_id)
+
+    def _try_admit(self, request: Request, budget: int, out: SchedulerOutput) -> Optional[int]:
+        """Give a waiting request (no KV: new, or preempted) its first chunk; None when it does not fit.
+        The caller moves it from the waiting queue to the running batch."""
+        computed_blocks, num_cached, num_new = self._prefill_size(request)
+        if num_new > budget:
+            if not self.config.enable_chunked_prefill:
+                return None
+            num_new = budget
+        request.num_computed_tokens = num_cached
+        if not self.kv.allocate_slots(request, num_new, computed_blocks):
+            request.num_computed_tokens = 0
+            return None
+        self.kv.record_prefix_lookup(request.num_tokens, num_cached)
+        request.status = RequestStatus.RUNNING
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = time.time()
+            request.num_cached_tokens = num_cached
+        out.scheduled.append(ScheduledRequest(request, num_new, self.kv.get_block_ids(request.request_id)))
+        return num_new
+
+    def _prefill_size(self, request: Request) -> tuple[list[int], int, int]:
+        """A waiting request's cached leading blocks, their tokens, and the tokens left to compute."""
+        computed_blocks = self.kv.get_computed_blocks(request)
+        num_cached = len(computed_blocks) * self.kv.block_size
+        return computed_blocks, num_cached, request.num_tokens - num_cached
 
     def _allocate_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
-        """Allocate slots for `request`, preempting the newest running requests until it fits.
-        Returns False when `request` itself had to be preempted."""
+        """Allocate slots for `request`, preempting the last running requests (the newest, or under a keyed
+        policy the worst) until it fits. Returns False when `request` itself had to be preempted."""
         while not self.kv.allocate_slots(request, num_new):
             victim = self.running.pop()
             self._preempt(victim)
@@ -99,13 +183,14 @@ class Scheduler:
         return True
 
     def _preempt(self, request: Request) -> None:
-        # Preemption by recompute: drop the KV, keep the tokens; it resumes from the front of the queue.
+        # Preemption by recompute: drop the KV, keep the tokens; it resumes from the front of the queue
+        # (under a keyed policy: where its key puts it).
         self.kv.free(request, keep_hashes=True)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions_total += 1
-        self.waiting.appendleft(request)
+        self.waiting.push_front(request)
 
     def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
         """Advance the scheduled requests by the step's result: `sampled` maps each request that sampled to
@@ -116,6 +201,7 @@ class Scheduler:
             if request.is_finished:  # aborted while the step ran
                 continue
             request.num_computed_tokens += item.num_tokens
+            self.policy.on_computed(request, item.num_tokens)
             self.kv.cache_blocks(request)
             token_id = sampled.get(request.request_id)
             if token_id is None:  # a prefill chunk that does not reach the end of the prompt yet
@@ -159,6 +245,7 @@ class Scheduler:
         # The caller takes the request out of its queue.
         request.status = status
         self.kv.free(request)
+        self.policy.on_finish(request)
         del self.requests[request.request_id]
         self._finished_since_last_step.append(request.request_id)
 

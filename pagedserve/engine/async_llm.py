@@ -86,7 +86,8 @@ class AsyncLLM:
             eos.add(self.tokenizer.eos_token_id)
         # Requests are tokenized on the event loop while the reader thread detokenizes: one tokenizer each.
         self.input_processor = InputProcessor(copy.deepcopy(self.tokenizer), self.info.vocab_size,
-                                              self.info.max_model_len, frozenset(eos))
+                                              self.info.max_model_len, frozenset(eos),
+                                              config.scheduler_config.scheduling_policy)
         self.output_processor = OutputProcessor(self.tokenizer)
 
     @classmethod
@@ -119,16 +120,17 @@ class AsyncLLM:
     # -- the asyncio side ----------------------------------------------------------------------------------
 
     async def generate(self, prompt: PromptType, params: Optional[SamplingParams] = None,
-                       request_id: Optional[str] = None) -> AsyncIterator[RequestOutput]:
+                       request_id: Optional[str] = None, priority: int = 0,
+                       tenant: Optional[str] = None) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs as deltas (new text and tokens since the last one); the last has
-        finished=True. Raises ValueError when the request is invalid or rejected, QueueFullError, or
+        finished=True. `priority` (lower runs first) and `tenant` feed the scheduling policy. Raises ValueError when the request is invalid or rejected, QueueFullError, or
         EngineDeadError. If the consumer stops early (break, aclose, cancellation: a client disconnect), the
         request is aborted and its KV blocks freed."""
         if not self.is_alive():
             raise EngineDeadError(f"the engine is not running ({self._dead_reason or 'shut down'})")
         request_id = request_id or uuid.uuid4().hex
         target = _Target(asyncio.get_running_loop(), asyncio.Queue())
-        self._add(request_id, prompt, params or SamplingParams(), target)
+        self._add(request_id, prompt, params or SamplingParams(), target, priority, tenant)
         finished = False
         try:
             while True:
@@ -144,8 +146,9 @@ class AsyncLLM:
             if not finished:
                 self.abort(request_id)
 
-    def _add(self, request_id: str, prompt: PromptType, params: SamplingParams, target: _Target) -> None:
-        request = self.input_processor.process(request_id, prompt, params)
+    def _add(self, request_id: str, prompt: PromptType, params: SamplingParams, target: _Target, priority: int,
+             tenant: Optional[str]) -> None:
+        request = self.input_processor.process(request_id, prompt, params, priority=priority, tenant=tenant)
         with self._lock:
             if self._dead_reason is not None:  # died since generate() looked: nobody would answer
                 raise EngineDeadError(f"the engine is not running ({self._dead_reason})")

@@ -32,8 +32,10 @@ class ProcessedRequest:
 
 
 class InputProcessor:
-    def __init__(self, tokenizer, vocab_size: int, max_model_len: int, eos_token_ids: frozenset[int]) -> None:
+    def __init__(self, tokenizer, vocab_size: int, max_model_len: int, eos_token_ids: frozenset[int],
+                 scheduling_policy: str = "fcfs") -> None:
         self.tokenizer = tokenizer
+        self.scheduling_policy = scheduling_policy
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
@@ -79,13 +81,23 @@ class InputProcessor:
                 f"to generate within max_model_len={self.max_model_len}")
 
     def process(self, request_id: str, prompt: PromptType, params: Optional[SamplingParams] = None,
-                arrival_time: Optional[float] = None, cache_salt: Optional[str] = None) -> ProcessedRequest:
+                arrival_time: Optional[float] = None, cache_salt: Optional[str] = None, priority: int = 0,
+                tenant: Optional[str] = None) -> ProcessedRequest:
         """Check and tokenize one request; n > 1 becomes n children with ids "{i}_{request_id}" and seeds
-        params.child(i). `cache_salt` (also read from a prompt dict's "cache_salt") isolates prefix caching."""
+        params.child(i). `cache_salt` (also read from a prompt dict's "cache_salt") isolates prefix caching;
+        `priority` (lower runs first) and `tenant` are for the scheduling policy."""
         if cache_salt is None and isinstance(prompt, dict):
             cache_salt = prompt.get("cache_salt")
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ValueError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        if priority != 0 and self.scheduling_policy == "fcfs":
+            # As vLLM: a priority that would be ignored is an error, not a silent no-op.
+            raise ValueError(f"priority {priority} needs scheduling_policy 'priority' or 'fair' "
+                             "(this engine schedules first come, first served)")
+        if tenant is not None and not isinstance(tenant, str):
+            raise ValueError(f"tenant must be a string, got {type(tenant).__name__}")
         params = params or SamplingParams()
         self._check_token_params(params)
         text, token_ids = self.tokenize_prompt(prompt)
@@ -93,6 +105,6 @@ class InputProcessor:
         arrival_time = time.time() if arrival_time is None else arrival_time
         child_ids = [request_id] if params.n == 1 else [f"{i}_{request_id}" for i in range(params.n)]
         children = [Request(child_id, token_ids, params if params.n == 1 else params.child(i), self.eos_token_ids,
-                            arrival_time=arrival_time, cache_salt=cache_salt)
+                            arrival_time=arrival_time, cache_salt=cache_salt, priority=priority, tenant=tenant)
                     for i, child_id in enumerate(child_ids)]
         return ProcessedRequest(request_id, text, token_ids, params, arrival_time, children)

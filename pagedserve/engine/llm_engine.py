@@ -30,7 +30,7 @@ class LLMEngine:
         self.tokenizer = self.loaded.tokenizer
         info = self.core.info
         self.input_processor = InputProcessor(self.tokenizer, info.vocab_size, info.max_model_len,
-                                              info.eos_token_ids)
+                                              info.eos_token_ids, config.scheduler_config.scheduling_policy)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
 
@@ -62,16 +62,18 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: PromptType, params: Optional[SamplingParams] = None,
                     stream: bool = False, arrival_time: Optional[float] = None,
-                    cache_salt: Optional[str] = None) -> None:
+                    cache_salt: Optional[str] = None, priority: int = 0, tenant: Optional[str] = None) -> None:
         """Queue a prompt. n > 1 becomes n child requests whose outputs come back together.
 
         `cache_salt` (vLLM's name; also read from a prompt dict's "cache_salt") isolates prefix caching:
-        requests only share cached blocks with requests of the same salt.
+        requests only share cached blocks with requests of the same salt. `priority` (lower runs first) and
+        `tenant` matter under the `priority` and `fair` scheduling policies.
         Raises ValueError (and queues nothing) when the prompt can never fit.
         """
         if request_id in self.output_processor.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        request = self.input_processor.process(request_id, prompt, params, arrival_time, cache_salt)
+        request = self.input_processor.process(request_id, prompt, params, arrival_time, cache_salt, priority,
+                                               tenant)
         self.core.add_requests(request.children)
         self.output_processor.add_request(request_id, request.prompt, request.prompt_token_ids, request.params,
                                           request.child_ids, stream, request.arrival_time)

@@ -6,9 +6,10 @@ import argparse
 import dataclasses
 import typing
 
-from pagedserve.config import DTYPE_CHOICES, CacheConfig, ModelConfig, SchedulerConfig, config_field_help
+from pagedserve.config import DTYPE_CHOICES, SCHEDULING_POLICIES, CacheConfig, ModelConfig, SchedulerConfig, config_field_help
 
 _CONFIGS = (ModelConfig, CacheConfig, SchedulerConfig)
+_CHOICES = {"dtype": DTYPE_CHOICES, "scheduling_policy": SCHEDULING_POLICIES}
 _SKIP = {("SchedulerConfig", "max_model_len")}  # set through ModelConfig's flag
 
 
@@ -25,7 +26,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             if kind is bool:
                 group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
             else:
-                extra = {"choices": DTYPE_CHOICES} if f.name == "dtype" else {}
+                extra = {"choices": _CHOICES[f.name]} if f.name in _CHOICES else {}
                 group.add_argument(flag, type=kind, default=f.default, help=help_text, **extra)
 
 
