@@ -8,6 +8,12 @@ Load: requests are sent in dataset order; the gaps between sends are drawn from 
 shape `--burstiness` and mean 1 / `--request-rate` (burstiness 1 = Poisson; `--request-rate inf` sends all at
 once), seeded by `--seed`; `--max-concurrency` caps how many are in flight (a request waiting for a slot is
 not in flight, and its latency starts when it is sent). `--num-warmups` requests go first, untimed.
+Each send is scheduled at its absolute time since the start (the sum of the gaps before it), so that a late
+wake-up does not push every later send back.
+
+Multi-tenant load (`--tenants SPEC [SPEC ...]`, see serve_tenants): each tenant has its own API key, request
+mix and arrival process, all running at once against the server; the report adds a per-tenant table and the
+JSON a `tenants` object, beside the overall numbers.
 """
 
 from __future__ import annotations
@@ -17,12 +23,13 @@ import asyncio
 import json
 import sys
 import time
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Optional
 
 import numpy as np
 
-from pagedserve.benchmarks import serve_datasets, serve_metrics, serve_report
+from pagedserve.benchmarks import serve_datasets, serve_metrics, serve_report, serve_tenants
 from pagedserve.benchmarks.serve_datasets import SampleRequest
 from pagedserve.benchmarks.serve_metrics import RequestResult
 
@@ -77,6 +84,12 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     lo.add_argument("--temperature", type=float, default=0.0)
     lo.add_argument("--seed", type=int, default=0)
     lo.add_argument("--num-warmups", type=int, default=0, help="untimed requests sent before the run")
+    lo.add_argument("--tenants", nargs="+", type=serve_tenants.parse_tenant_spec, default=None, metavar="SPEC",
+                    help="multi-tenant load: one SPEC per tenant, comma-separated KEY=VALUE with name (required), "
+                         "api_key or api_key_env, num_prompts, request_rate, burstiness, max_concurrency, "
+                         "random_input_len, random_output_len (default: the global flags), arrivals "
+                         "(poisson|uniform), priority; e.g. name=flood,api_key=K1,num_prompts=200 "
+                         "name=chat,api_key=K2,num_prompts=15,request_rate=0.5,arrivals=uniform,priority=0")
     r = parser.add_argument_group("report")
     r.add_argument("--percentile-metrics", default="ttft,tpot,itl,e2el",
                    help="metrics to report percentiles of (ttft, tpot, itl, e2el)")
@@ -130,8 +143,10 @@ def _chunk_text(data: dict) -> str:
     return text
 
 
-async def send_request(session, url: str, payload: dict, prompt_len: Optional[int], tokenizer) -> RequestResult:
-    """One streamed request; errors end up in the result, never raised."""
+async def send_request(session, url: str, payload: dict, prompt_len: Optional[int], tokenizer,
+                       headers: Optional[dict] = None) -> RequestResult:
+    """One streamed request (with extra HTTP `headers`, e.g. a tenant's Authorization); errors end up in the
+    result, never raised."""
     import aiohttp
 
     r = RequestResult(prompt_len=prompt_len or 0)
@@ -141,7 +156,7 @@ async def send_request(session, url: str, payload: dict, prompt_len: Optional[in
     r.start_time = start
     last = start
     try:
-        async with session.post(url, json=payload) as resp:
+        async with session.post(url, json=payload, headers=headers) as resp:
             if resp.status != 200:
                 body = (await resp.text())[:300].strip()
                 r.error = f"HTTP {resp.status}: {body}"
@@ -198,17 +213,17 @@ async def send_request(session, url: str, payload: dict, prompt_len: Optional[in
     return r
 
 
-async def _get(session, url: str) -> tuple[int, str]:
-    async with session.get(url) as resp:
+async def _get(session, url: str, headers: Optional[dict] = None) -> tuple[int, str]:
+    async with session.get(url, headers=headers) as resp:
         return resp.status, await resp.text()
 
 
-async def read_server_metrics(session, url: str) -> Optional[dict]:
+async def read_server_metrics(session, url: str, headers: Optional[dict] = None) -> Optional[dict]:
     """The server's counters from /metrics, or None when it has no Prometheus page."""
     import aiohttp
 
     try:
-        status, text = await _get(session, f"{url}/metrics")
+        status, text = await _get(session, f"{url}/metrics", headers)
     except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
         return None
     if status != 200:
@@ -220,12 +235,12 @@ async def read_server_metrics(session, url: str) -> Optional[dict]:
     return found or None
 
 
-async def resolve_model(session, url: str, model: Optional[str]) -> str:
+async def resolve_model(session, url: str, model: Optional[str], headers: Optional[dict] = None) -> str:
     """Check that the server answers; pick the first served model when none is given."""
     import aiohttp
 
     try:
-        status, text = await _get(session, f"{url}/v1/models")
+        status, text = await _get(session, f"{url}/v1/models", headers)
     except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
         raise BenchmarkError(f"cannot reach the server at {url}: {e}") from None
     if model:
@@ -242,66 +257,132 @@ async def resolve_model(session, url: str, model: Optional[str]) -> str:
 # Load
 
 
-def arrival_gaps(n: int, rate: float, burstiness: float, seed: int) -> list[float]:
-    """Seconds to wait before each request: gamma(shape=burstiness, mean=1/rate); zeros for rate inf."""
+def arrival_gaps(n: int, rate: float, burstiness: float, seed: int, arrivals: str = "poisson") -> list[float]:
+    """Seconds to wait before each request, after the previous one; zeros for rate inf.
+
+    poisson: gamma(shape=burstiness, mean=1/rate), seeded (burstiness 1 is a Poisson process); uniform: the
+    first at once, then exactly 1/rate apart (burstiness and seed do not matter)."""
     if rate == float("inf"):
         return [0.0] * n
+    if arrivals == "uniform":
+        return [0.0 if i == 0 else 1.0 / rate for i in range(n)]
     theta = 1.0 / (rate * burstiness)
     return np.random.default_rng(seed).gamma(burstiness, theta, size=n).tolist()
 
 
-async def run_load(args, url: str, endpoint: str, model: str, requests: list[SampleRequest], tokenizer,
-                   progress: bool = True) -> dict:
-    import aiohttp
+@dataclass
+class Lane:
+    """One arrival process: the whole run without --tenants, one per tenant with it."""
 
-    timeout = aiohttp.ClientTimeout(total=HTTP_TIMEOUT_S)
-    connector = aiohttp.TCPConnector(limit=0, force_close=False)
-    async with aiohttp.ClientSession(timeout=timeout, connector=connector, trust_env=False) as session:
-        model = await resolve_model(session, url, model)
-        payloads = [build_payload(endpoint, model, req, args) for req in requests]
-        target = url + endpoint
-        semaphore = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
+    requests: list[SampleRequest]
+    gaps: list[float]  # from arrival_gaps
+    max_concurrency: Optional[int] = None  # in flight at once, for this lane alone
+    headers: Optional[dict] = None  # sent with every request, e.g. the tenant's Authorization
+    body_fields: dict = field(default_factory=dict)  # added to every request body, e.g. priority
 
-        async def limited(payload, req):
-            if semaphore is None:
-                return await send_request(session, target, payload, req.prompt_len, tokenizer)
-            async with semaphore:
-                return await send_request(session, target, payload, req.prompt_len, tokenizer)
 
-        if args.num_warmups:
-            warm = [limited(payloads[i % len(payloads)], requests[i % len(requests)]) for i in range(args.num_warmups)]
-            warm_results = await asyncio.gather(*warm)
-            warm_failed = [w for w in warm_results if not w.success]
-            if len(warm_failed) == len(warm_results):
-                raise BenchmarkError(f"every warm-up request failed; the first: {warm_failed[0].error}")
+class _LaneSender:
+    """Sends one lane's requests on a shared session, on its own schedule and under its own cap."""
 
-        before = None if args.no_server_metrics else await read_server_metrics(session, url)
-        bar = None
-        if progress and not args.disable_tqdm:
-            from tqdm import tqdm
+    def __init__(self, session, target: str, lane: Lane, payloads: list[dict], tokenizer) -> None:
+        self.session, self.target, self.lane, self.payloads, self.tokenizer = session, target, lane, payloads, tokenizer
+        self.semaphore = asyncio.Semaphore(lane.max_concurrency) if lane.max_concurrency else None
 
-            bar = tqdm(total=len(requests), desc="requests", file=sys.stderr)
-        gaps = arrival_gaps(len(requests), args.request_rate, args.burstiness, args.seed)
-        tasks = []
-        start = time.perf_counter()
+    async def send(self, i: int) -> RequestResult:
+        """Request i, once a slot is free (its latency starts when it is sent, not while it waits)."""
+        req = self.lane.requests[i]
+        if self.semaphore is None:
+            return await send_request(self.session, self.target, self.payloads[i], req.prompt_len, self.tokenizer,
+                                      self.lane.headers)
+        async with self.semaphore:
+            return await send_request(self.session, self.target, self.payloads[i], req.prompt_len, self.tokenizer,
+                                      self.lane.headers)
 
-        async def tracked(payload, req):
-            result = await limited(payload, req)
+    async def run(self, start: float, bar) -> tuple[list[RequestResult], float]:
+        """Every request at start + the sum of the gaps before it; the results and the time the last one ended."""
+
+        async def tracked(i: int) -> RequestResult:
+            result = await self.send(i)
             if bar is not None:
                 bar.update(1)
             return result
 
-        for i, (payload, req) in enumerate(zip(payloads, requests)):
-            if gaps[i] > 0:
-                await asyncio.sleep(gaps[i])
-            tasks.append(asyncio.create_task(tracked(payload, req)))
+        tasks, due = [], start
+        for i, gap in enumerate(self.lane.gaps):
+            due += gap
+            delay = due - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(tracked(i)))
         results = await asyncio.gather(*tasks)
+        return list(results), time.perf_counter()
+
+
+async def _warm_up(senders: list[_LaneSender], count: int) -> None:
+    """`count` untimed requests, round-robin over the lanes and over each lane's requests."""
+    picks = [(senders[k % len(senders)], k // len(senders)) for k in range(count)]
+    warm = await asyncio.gather(*(s.send(i % len(s.lane.requests)) for s, i in picks))
+    failed = [w for w in warm if not w.success]
+    if len(failed) == len(warm):
+        raise BenchmarkError(f"every warm-up request failed; the first: {failed[0].error}")
+
+
+def _progress_bar(total: int, enabled: bool):
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="requests", file=sys.stderr)
+
+
+async def run_lanes(args, url: str, endpoint: str, model: Optional[str], lanes: list[Lane], tokenizer,
+                    progress: bool = True) -> dict:
+    """Run every lane at once from one t=0. "results" holds all results (lane after lane), "lanes" each
+    lane's results and duration (from t=0 to the end of its last request)."""
+    import aiohttp
+
+    # A server with API keys wants one on /v1/models and /metrics too: the first lane's that has one.
+    admin = next((lane.headers for lane in lanes if lane.headers), None)
+    timeout = aiohttp.ClientTimeout(total=HTTP_TIMEOUT_S)
+    connector = aiohttp.TCPConnector(limit=0, force_close=False)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector, trust_env=False) as session:
+        model = await resolve_model(session, url, model, admin)
+        senders = [_LaneSender(session, url + endpoint, lane,
+                               [{**build_payload(endpoint, model, req, args), **lane.body_fields}
+                                for req in lane.requests], tokenizer) for lane in lanes]
+        if args.num_warmups:
+            await _warm_up(senders, args.num_warmups)
+        before = None if args.no_server_metrics else await read_server_metrics(session, url, admin)
+        bar = _progress_bar(sum(len(lane.requests) for lane in lanes), progress and not args.disable_tqdm)
+        start = time.perf_counter()
+        finished = await asyncio.gather(*(s.run(start, bar) for s in senders))
         duration = time.perf_counter() - start
         if bar is not None:
             bar.close()
-        after = None if args.no_server_metrics else await read_server_metrics(session, url)
-    return {"results": results, "duration": duration, "start": start, "model": model,
-            "server_before": before, "server_after": after}
+        after = None if args.no_server_metrics else await read_server_metrics(session, url, admin)
+    return {"results": [r for results, _ in finished for r in results], "duration": duration, "start": start,
+            "lanes": [{"results": results, "duration": end - start} for results, end in finished],
+            "model": model, "server_before": before, "server_after": after}
+
+
+async def run_load(args, url: str, endpoint: str, model: Optional[str], requests: list[SampleRequest], tokenizer,
+                   progress: bool = True) -> dict:
+    """The run without --tenants: one lane with the global --request-rate, --burstiness and --max-concurrency."""
+    gaps = arrival_gaps(len(requests), args.request_rate, args.burstiness, args.seed)
+    return await run_lanes(args, url, endpoint, model, [Lane(requests, gaps, args.max_concurrency)], tokenizer,
+                           progress)
+
+
+def tenant_lanes(args, tokenizer) -> list[Lane]:
+    """One lane per --tenants spec: its own requests, gaps, cap, key and body fields."""
+    lanes = []
+    for i, spec in enumerate(args.tenants):
+        own = serve_tenants.tenant_args(args, spec, i)
+        requests = serve_datasets.build_requests(own, tokenizer)
+        gaps = arrival_gaps(len(requests), own.request_rate, own.burstiness, own.seed, spec.arrivals)
+        lanes.append(Lane(requests, gaps, own.max_concurrency, serve_tenants.auth_headers(spec),
+                          serve_tenants.body_fields(spec)))
+    return lanes
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -322,24 +403,33 @@ def _validate(args) -> None:
     unknown = set(args.percentile_metrics.split(",")) - set(serve_metrics.METRICS)
     if unknown:
         raise ValueError(f"--percentile-metrics: unknown {sorted(unknown)}; known: {', '.join(serve_metrics.METRICS)}")
+    serve_tenants.check_unique_names(args.tenants or [])
 
 
-def main(args: argparse.Namespace) -> dict:
-    """Run the benchmark described by `args`; print the report and return the result dict (vLLM's keys)."""
-    _validate(args)
-    slos = serve_metrics.parse_goodput(args.goodput)
-    percentiles = [float(p) for p in args.metric_percentiles.split(",") if p.strip()]
-    endpoint = args.endpoint or ("/v1/chat/completions" if args.backend == "openai-chat" else "/v1/completions")
-    if args.prompt_format == "token-ids" and endpoint != "/v1/completions":
-        raise ValueError("--prompt-format token-ids needs --endpoint /v1/completions")
-    if args.plot:
-        serve_report.check_plotting()
+def _run(args, url: str, endpoint: str) -> dict:
+    """Build the requests (per tenant with --tenants) and load the server with them."""
     tokenizer = serve_datasets.load_tokenizer(args.tokenizer) if serve_datasets.needs_tokenizer(args) else None
+    model = args.model or args.served_model_name
+    if args.tenants:
+        return asyncio.run(run_lanes(args, url, endpoint, model, tenant_lanes(args, tokenizer), tokenizer))
     requests = serve_datasets.build_requests(args, tokenizer)
-    url = base_url(args)
-    run = asyncio.run(run_load(args, url, endpoint, args.model or args.served_model_name, requests, tokenizer))
-    results: list[RequestResult] = run["results"]
+    return asyncio.run(run_load(args, url, endpoint, model, requests, tokenizer))
 
+
+def _load_keys(args, run: dict) -> dict:
+    """num_prompts, request_rate, burstiness, max_concurrency: the global flags, or "per-tenant" with --tenants
+    (each tenant's own are in its `tenants` entry)."""
+    if args.tenants:
+        return {"num_prompts": len(run["results"]), "request_rate": "per-tenant", "burstiness": "per-tenant",
+                "max_concurrency": "per-tenant"}
+    return {"num_prompts": args.num_prompts,
+            "request_rate": args.request_rate if args.request_rate != float("inf") else "inf",
+            "burstiness": args.burstiness, "max_concurrency": args.max_concurrency}
+
+
+def _build_result(args, url: str, endpoint: str, run: dict, percentiles: list[float], slos: dict) -> dict:
+    """The result dict: the run's settings, vLLM's metric keys and the per-request lists."""
+    results: list[RequestResult] = run["results"]
     metrics = serve_metrics.compute_metrics(results, run["duration"], percentiles, slos, run["start"])
     result: dict = {
         "date": datetime.now().strftime("%Y%m%d-%H%M%S"),
@@ -350,10 +440,7 @@ def main(args: argparse.Namespace) -> dict:
         "model_id": run["model"],
         "tokenizer_id": args.tokenizer,
         "dataset_name": args.dataset_name,
-        "num_prompts": args.num_prompts,
-        "request_rate": args.request_rate if args.request_rate != float("inf") else "inf",
-        "burstiness": args.burstiness,
-        "max_concurrency": args.max_concurrency,
+        **_load_keys(args, run),
         "num_warmups": args.num_warmups,
         "goodput_slos_ms": slos or None,
         **metrics,
@@ -366,8 +453,38 @@ def main(args: argparse.Namespace) -> dict:
         "errors": [r.error for r in results],
         "server_metrics": serve_metrics.server_view(run["server_before"], run["server_after"]),
     }
+    if args.tenants:
+        result["tenants"] = _tenant_results(args, run, percentiles, slos)
+        # which tenant sent each request of the lists above (they hold the tenants one after the other)
+        result["request_tenants"] = [spec.name for spec, lane in zip(args.tenants, run["lanes"])
+                                     for _ in lane["results"]]
     if args.save_detailed:
         result["generated_texts"] = [r.generated_text for r in results]
+    return result
+
+
+def _tenant_results(args, run: dict, percentiles: list[float], slos: dict) -> dict:
+    """{tenant name: its load and its metrics}, each tenant's throughput over its own duration."""
+    out = {}
+    for i, (spec, lane) in enumerate(zip(args.tenants, run["lanes"])):
+        metrics = serve_metrics.compute_metrics(lane["results"], lane["duration"], percentiles, slos, run["start"])
+        out[spec.name] = serve_tenants.tenant_entry(spec, serve_tenants.tenant_args(args, spec, i), metrics)
+    return out
+
+
+def main(args: argparse.Namespace) -> dict:
+    """Run the benchmark described by `args`; print the report and return the result dict (vLLM's keys)."""
+    _validate(args)
+    slos = serve_metrics.parse_goodput(args.goodput)
+    percentiles = [float(p) for p in args.metric_percentiles.split(",") if p.strip()]
+    endpoint = args.endpoint or ("/v1/chat/completions" if args.backend == "openai-chat" else "/v1/completions")
+    if args.prompt_format == "token-ids" and endpoint != "/v1/completions":
+        raise ValueError("--prompt-format token-ids needs --endpoint /v1/completions")
+    if args.plot:
+        serve_report.check_plotting()
+    url = base_url(args)
+    run = _run(args, url, endpoint)
+    result = _build_result(args, url, endpoint, run, percentiles, slos)
     for item in args.metadata or []:
         key, sep, value = item.partition("=")
         if not sep:
@@ -379,7 +496,7 @@ def main(args: argparse.Namespace) -> dict:
         path = serve_report.save_result(result, args)
         print(f"result written to {path}")
     if args.plot:
-        written = serve_report.plot(result, results, run["start"], args.plot)
+        written = serve_report.plot(result, run["results"], run["start"], args.plot)
         print(f"charts written to {args.plot}: {', '.join(written)}")
     return result
 

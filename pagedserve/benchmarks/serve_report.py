@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 from collections import Counter
 
@@ -64,6 +65,9 @@ def print_report(result: dict, metrics: list[str], percentiles: list[float], out
                 f"{int(server['prefix_cache_hits'])}/{int(server['prefix_cache_queries'])}")
             if server["prefix_cache_hit_rate"] is not None:
                 row("Prefix cache hit rate (%):", 100 * server["prefix_cache_hit_rate"])
+    if result.get("tenants"):
+        section("Per tenant (TTFT, TPOT in ms)")
+        print_tenant_table(result["tenants"], percentiles, out)
     errors = [e for e in result["errors"] if e]
     if errors:
         section("Errors")
@@ -73,7 +77,26 @@ def print_report(result: dict, metrics: list[str], percentiles: list[float], out
     out.flush()
 
 
+def print_tenant_table(tenants: dict, percentiles: list[float], out=None) -> None:
+    """One row per tenant: its counts, its throughput (over its own duration), its TTFT (mean, median,
+    percentiles) and mean TPOT in milliseconds."""
+    out = out or sys.stdout
+    ttft_keys = ["mean_ttft_ms", "median_ttft_ms"] + [f"p{_pct_label(p)}_ttft_ms" for p in percentiles]
+    ttft_heads = ["TTFT mean", "median"] + [f"P{_pct_label(p)}" for p in percentiles]
+    name_width = max(8, *(len(name) for name in tenants))
+    heads = ["ok", "failed", "req/s", "out tok/s", *ttft_heads, "TPOT mean"]
+    print(f"{'tenant':<{name_width}}" + "".join(f"{h:>11}" for h in heads), file=out)
+    for name, t in tenants.items():
+        values = [t["request_throughput"], t["output_throughput"], *(t[k] for k in ttft_keys), t["mean_tpot_ms"]]
+        cells = [f"{t['completed']:>11}", f"{t['failed']:>11}"] + [f"{v:>11.2f}" for v in values]
+        print(f"{name:<{name_width}}" + "".join(cells), file=out)
+
+
 def default_filename(result: dict) -> str:
+    if result.get("tenants"):
+        model = str(result["model_id"]).rstrip("/").split("/")[-1]
+        names = re.sub(r"[^A-Za-z0-9_.+-]", "_", "+".join(result["tenants"]))  # tenant names are free text
+        return f"{result['backend']}-tenants-{names}-{model}-{result['date']}.json"
     conc = f"-concurrency{result['max_concurrency']}" if result["max_concurrency"] else ""
     model = str(result["model_id"]).rstrip("/").split("/")[-1]
     return f"{result['backend']}-{result['request_rate']}qps{conc}-{model}-{result['date']}.json"

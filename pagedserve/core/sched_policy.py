@@ -129,7 +129,7 @@ class PriorityPolicy(FCFSPolicy):
 
 class FairPolicy(PriorityPolicy):
     """Virtual time per tenant = tokens computed for it while it has had requests in the engine. A tenant that
-    becomes active starts level with the least-served active tenant (not at 0, which would let it monopolise
+    becomes active starts just ahead of the least-served active tenant (not at 0, which would let it monopolise
     the engine until it caught up, and not at its old count, which would punish it for past use).
 
     Recomputing a preempted request's tokens is not charged to its tenant (the scheduler chose to drop them),
@@ -150,7 +150,9 @@ class FairPolicy(PriorityPolicy):
         super().on_add(request)
         tenant = request.tenant
         if self._active.get(tenant, 0) == 0:
-            self.served[tenant] = min((self.served[t] for t, n in self._active.items() if n), default=0)
+            # Just ahead of the least-served active tenant: a newcomer's first request goes next, not after
+            # everything queued before it at the same level.
+            self.served[tenant] = min((self.served[t] for t, n in self._active.items() if n), default=1) - 1
         self._active[tenant] = self._active.get(tenant, 0) + 1
 
     def on_finish(self, request: Request) -> None:

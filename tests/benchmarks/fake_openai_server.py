@@ -4,6 +4,10 @@ Each request gets `max_tokens` chunks of one token ("tok "): the first after `tt
 later (a prompt containing "SLOW" waits `slow_extra_s` more before its first chunk). A prompt containing
 "FAIL" gets HTTP 500. The server records, per prompt, the perf_counter time at which it wrote each chunk:
 the client runs in the same process, so the tests can compare the client's receive times with these.
+
+Tenants: with `api_keys`, every route wants `Authorization: Bearer <one of them>` (HTTP 401 otherwise), as
+`pagedserve serve --api-key` does; `slow_keys` (key -> seconds) delays the first chunk of that key's
+requests; `received` records every completion request: arrival time, Authorization header and body.
 """
 
 from __future__ import annotations
@@ -13,14 +17,19 @@ import json
 import socket
 import threading
 import time
+from typing import Optional
 
 from aiohttp import web
 
 
 class FakeOpenAIServer:
     def __init__(self, ttft_s: float = 0.05, itl_s: float = 0.02, slow_extra_s: float = 0.15,
-                 send_usage: bool = True, metrics_prefix: str = "pagedserve:", text: str = "tok ") -> None:
+                 send_usage: bool = True, metrics_prefix: str = "pagedserve:", text: str = "tok ",
+                 api_keys: tuple[str, ...] = (), slow_keys: Optional[dict[str, float]] = None) -> None:
         self.text = text
+        self.api_keys = set(api_keys)
+        self.slow_keys = slow_keys or {}
+        self.received: list[dict] = []  # {"time": perf_counter, "authorization": header or None, "body": ...}
         self.ttft_s, self.itl_s, self.slow_extra_s = ttft_s, itl_s, slow_extra_s
         self.send_usage = send_usage
         self.metrics_prefix = metrics_prefix
@@ -37,6 +46,14 @@ class FakeOpenAIServer:
         return f"http://127.0.0.1:{self.port}"
 
     # -- handlers
+    @web.middleware
+    async def check_key(self, request: web.Request, handler):
+        if self.api_keys:
+            scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or token.strip() not in self.api_keys:
+                return web.json_response({"error": {"message": "Invalid or missing API key", "code": 401}}, status=401)
+        return await handler(request)
+
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": "fake-model", "object": "model"}]})
 
@@ -52,8 +69,12 @@ class FakeOpenAIServer:
         return web.Response(text=text, content_type="text/plain")
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
+        arrived = time.perf_counter()
         body = await request.json()
         self.bodies.append(body)
+        auth = request.headers.get("Authorization")
+        self.received.append({"time": arrived, "authorization": auth, "body": body})
+        key_delay = self.slow_keys.get((auth or "").partition(" ")[2], 0.0)
         chat = "messages" in body
         prompt = body["messages"][-1]["content"] if chat else body["prompt"]
         key = prompt if isinstance(prompt, str) else json.dumps(prompt)
@@ -64,7 +85,7 @@ class FakeOpenAIServer:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         times = self.sent.setdefault(key, [])
-        await asyncio.sleep(self.ttft_s + (self.slow_extra_s if "SLOW" in key else 0.0))
+        await asyncio.sleep(self.ttft_s + key_delay + (self.slow_extra_s if "SLOW" in key else 0.0))
         for i in range(n):
             if i:
                 await asyncio.sleep(self.itl_s)
@@ -82,7 +103,7 @@ class FakeOpenAIServer:
     # -- life cycle
     def _serve(self) -> None:
         self._loop = asyncio.new_event_loop()
-        app = web.Application()
+        app = web.Application(middlewares=[self.check_key])
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/metrics", self.metrics)
         app.router.add_post("/v1/completions", self.completions)

@@ -204,15 +204,19 @@ def test_fair_share_preempts_a_tenant_that_holds_the_whole_batch_once_it_is_a_st
     assert all(r.num_output_tokens == 60 for r in hogs)
 
 
-def test_a_tenant_that_comes_back_starts_level_with_the_others_not_at_zero():
-    sched = make_scheduler("fair", max_num_seqs=2)
-    for i in range(6):
+def test_a_tenant_that_comes_back_starts_just_ahead_of_the_others_not_at_zero():
+    # A budget of 8 tokens: A's decodes and queued prompts compete for it every step.
+    sched = make_scheduler("fair", max_num_batched_tokens=8)
+    for i in range(8):
         sched.add_request(make_request(f"A{i}", tenant="A", max_tokens=8))
-    for _ in range(5):
+    for _ in range(3):
         run_step(sched)
+    assert len(sched.waiting) > 0
     latecomer = make_request("B0", tenant="B", max_tokens=1)
     sched.add_request(latecomer)
-    assert sched.policy.served["B"] == sched.policy.served["A"] > 0
+    assert sched.policy.served["B"] == sched.policy.served["A"] - 1 > 0
+    out, _ = run_step(sched)
+    assert out.scheduled[0].request is latecomer  # ahead of A's running and queued requests, at once
     run_to_end(sched)
     assert sched.policy.served == {}
 
