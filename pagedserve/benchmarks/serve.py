@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -51,6 +52,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="API path (default /v1/completions; /v1/chat/completions with --backend openai-chat)")
     g.add_argument("--backend", default="openai", choices=["openai", "openai-chat", "vllm", "pagedserve"],
                    help="request format: completions (openai, vllm, pagedserve) or chat (openai-chat)")
+    g.add_argument("--api-key", default=None,
+                   help="sent as `Authorization: Bearer KEY` (default: env OPENAI_API_KEY, as vLLM's bench; a "
+                        "--tenants spec's own key wins for its requests)")
     g.add_argument("--model", default=None, help="model name sent to the server (default: the first of /v1/models)")
     g.add_argument("--served-model-name", default=None, help="alias of --model, as in vLLM")
     g.add_argument("--tokenizer", default=None,
@@ -341,8 +345,8 @@ async def run_lanes(args, url: str, endpoint: str, model: Optional[str], lanes: 
     lane's results and duration (from t=0 to the end of its last request)."""
     import aiohttp
 
-    # A server with API keys wants one on /v1/models and /metrics too: the first lane's that has one.
-    admin = next((lane.headers for lane in lanes if lane.headers), None)
+    # A server with API keys wants one on /v1/models and /metrics too: --api-key's, else the first lane's.
+    admin = global_headers(args) or next((lane.headers for lane in lanes if lane.headers), None)
     timeout = aiohttp.ClientTimeout(total=HTTP_TIMEOUT_S)
     connector = aiohttp.TCPConnector(limit=0, force_close=False)
     async with aiohttp.ClientSession(timeout=timeout, connector=connector, trust_env=False) as session:
@@ -369,8 +373,14 @@ async def run_load(args, url: str, endpoint: str, model: Optional[str], requests
                    progress: bool = True) -> dict:
     """The run without --tenants: one lane with the global --request-rate, --burstiness and --max-concurrency."""
     gaps = arrival_gaps(len(requests), args.request_rate, args.burstiness, args.seed)
-    return await run_lanes(args, url, endpoint, model, [Lane(requests, gaps, args.max_concurrency)], tokenizer,
-                           progress)
+    return await run_lanes(args, url, endpoint, model, [Lane(requests, gaps, args.max_concurrency,
+                                                             global_headers(args))], tokenizer, progress)
+
+
+def global_headers(args) -> Optional[dict]:
+    """--api-key (or env OPENAI_API_KEY) as an Authorization header; None without one."""
+    key = getattr(args, "api_key", None) or os.environ.get("OPENAI_API_KEY")
+    return {"Authorization": f"Bearer {key}"} if key else None
 
 
 def tenant_lanes(args, tokenizer) -> list[Lane]:
@@ -380,8 +390,8 @@ def tenant_lanes(args, tokenizer) -> list[Lane]:
         own = serve_tenants.tenant_args(args, spec, i)
         requests = serve_datasets.build_requests(own, tokenizer)
         gaps = arrival_gaps(len(requests), own.request_rate, own.burstiness, own.seed, spec.arrivals)
-        lanes.append(Lane(requests, gaps, own.max_concurrency, serve_tenants.auth_headers(spec),
-                          serve_tenants.body_fields(spec)))
+        lanes.append(Lane(requests, gaps, own.max_concurrency,
+                          serve_tenants.auth_headers(spec) or global_headers(args), serve_tenants.body_fields(spec)))
     return lanes
 
 

@@ -199,7 +199,8 @@ def test_a_tenants_max_concurrency_caps_only_its_own_requests(tmp_path):
     assert result["tenants"]["capped"]["max_concurrency"] == 1 and result["max_concurrency"] == "per-tenant"
 
 
-def test_without_tenants_no_key_no_priority_and_no_tenant_keys(tmp_path, capsys):
+def test_without_tenants_no_key_no_priority_and_no_tenant_keys(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
     with FakeOpenAIServer(ttft_s=0.01, itl_s=0.005) as server:
         result = serve.main(_args("--base-url", server.url, *_jsonl_flags(tmp_path, ["n0", "n1"]),
                                   "--num-prompts", "2"))
@@ -214,3 +215,16 @@ def test_without_tenants_no_key_no_priority_and_no_tenant_keys(tmp_path, capsys)
 def test_tenant_result_file_is_named_after_the_tenants():
     result = {"backend": "openai", "model_id": "org/m", "date": "D", "tenants": {"flood": {}, "chat/1": {}}}
     assert serve_report.default_filename(result) == "openai-tenants-flood+chat_1-m-D.json"
+
+
+def test_api_key_flag_or_openai_api_key_env_authorizes_every_request(tmp_path, monkeypatch):
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    with FakeOpenAIServer(ttft_s=0.01, itl_s=0.005, api_keys=[KEY_A, KEY_B]) as server:
+        flags = ["--base-url", server.url, *_jsonl_flags(tmp_path, ["k0", "k1"]), "--num-prompts", "2"]
+        assert serve.main(_args(*flags, "--api-key", KEY_A))["completed"] == 2
+        monkeypatch.setenv("OPENAI_API_KEY", KEY_B)
+        assert serve.main(_args(*flags))["completed"] == 2
+        # A tenant's own key wins over the global one for its requests.
+        serve.main(_args(*flags, "--tenants", f"name=own,api_key={KEY_A},num_prompts=1", "name=shared,num_prompts=1"))
+    assert [r["authorization"] for r in server.received[:4]] == [f"Bearer {KEY_A}"] * 2 + [f"Bearer {KEY_B}"] * 2
+    assert sorted(r["authorization"] for r in server.received[4:]) == [f"Bearer {KEY_A}", f"Bearer {KEY_B}"]
