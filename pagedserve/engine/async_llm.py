@@ -123,9 +123,9 @@ class AsyncLLM:
                        request_id: Optional[str] = None, priority: int = 0,
                        tenant: Optional[str] = None) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs as deltas (new text and tokens since the last one); the last has
-        finished=True. `priority` (lower runs first) and `tenant` feed the scheduling policy. Raises ValueError when the request is invalid or rejected, QueueFullError, or
-        EngineDeadError. If the consumer stops early (break, aclose, cancellation: a client disconnect), the
-        request is aborted and its KV blocks freed."""
+        finished=True. `priority` (lower runs first) and `tenant` feed the scheduling policy. Raises ValueError
+        when the request is invalid or rejected, QueueFullError, or EngineDeadError. If the consumer stops early
+        (break, aclose, cancellation: a client disconnect), the request is aborted and its KV blocks freed."""
         if not self.is_alive():
             raise EngineDeadError(f"the engine is not running ({self._dead_reason or 'shut down'})")
         request_id = request_id or uuid.uuid4().hex

@@ -47,7 +47,17 @@ def _add_serve(subparsers) -> None:
     p.add_argument("--port", type=int, default=8000, help="Port to listen on.")
     p.add_argument("--api-key", action="append", default=None,
                    help="Require `Authorization: Bearer <key>` on every route but /health. Repeat for several "
-                        "keys. Default: the PAGEDSERVE_API_KEY environment variable, else no auth.")
+                        "keys. Such keys have admin scope (tenant \"default\"). Default: the PAGEDSERVE_API_KEY "
+                        "environment variable, else no auth.")
+    p.add_argument("--api-keys-file", default=None, metavar="PATH",
+                   help="Named tenants with hashed keys, scopes (admin/user), default priorities and rate limits: "
+                        "TOML, or JSON when the name ends in .json (see `pagedserve keys add`). Re-read on SIGHUP; "
+                        "a bad file is refused (at start: exit 2; on SIGHUP: the old keys stay).")
+    p.add_argument("--max-metric-tenants", type=int, default=32,
+                   help="Tenants with a label of their own in the per-tenant metrics; later ones count as "
+                        "\"other\".")
+    p.add_argument("--ssl-keyfile", default=None, help="Serve HTTPS with this private key (PEM).")
+    p.add_argument("--ssl-certfile", default=None, help="Serve HTTPS with this certificate (PEM).")
     p.add_argument("--served-model-name", nargs="+", default=None,
                    help="Name(s) clients use in `model`; the first is reported in responses and metrics. "
                         "Default: the --model argument (the default model's file name when omitted).")
@@ -70,6 +80,45 @@ def _run_serve(args: argparse.Namespace) -> int:
     return serve(args)
 
 
+def _add_keys(subparsers) -> None:
+    p = subparsers.add_parser("keys", help="Manage the API keys file of `pagedserve serve --api-keys-file`.")
+    actions = p.add_subparsers(dest="keys_action", required=True)
+    add = actions.add_parser("add", help="Make a new random key for a new tenant: the key is printed once on "
+                             "stdout, the file keeps only its SHA-256.")
+    add.add_argument("name", help="The tenant's name (1-64 of A-Z a-z 0-9 . _ -), as it appears in logs and "
+                     "metrics.")
+    add.add_argument("--file", default="keys.toml", help="The keys file (created when missing; JSON when the name "
+                     "ends in .json). Default: keys.toml.")
+    add.add_argument("--scope", choices=("user", "admin"), default="user",
+                     help="admin keys may use the admin routes and ask for any priority. Default: user.")
+    add.add_argument("--priority", type=int, default=0,
+                     help="Default priority of its requests (lower runs first). Default: 0.")
+    add.add_argument("--min-priority", type=int, default=None,
+                     help="The best (lowest) priority a user key may ask for. Default: --priority.")
+    for flag, what in (("--requests-per-minute", "requests"), ("--tokens-per-minute", "tokens (prompt + "
+                       "max_tokens * n, the unused part refunded)"), ("--max-concurrent-requests", None)):
+        add.add_argument(flag, type=int, default=None,
+                         help=f"Limit on {what} per minute. Default: unlimited." if what else
+                         "Limit on requests in flight at once. Default: unlimited.")
+    add.set_defaults(func=_run_keys_add)
+
+
+def _run_keys_add(args: argparse.Namespace) -> int:
+    from pagedserve.tenants.keys_file import add_tenant
+    from pagedserve.tenants.tenant import Tenant, hash_key, new_key
+
+    key = new_key()
+    fields = {"key_sha256": hash_key(key), "scope": args.scope, "priority": args.priority}
+    for name in ("min_priority", "requests_per_minute", "tokens_per_minute", "max_concurrent_requests"):
+        if getattr(args, name) is not None:
+            fields[name] = getattr(args, name)
+    add_tenant(args.file, Tenant.from_fields(args.name, fields))
+    print(key)
+    print(f"added tenant {args.name!r} ({args.scope}) to {args.file}; the key above is shown only this once "
+          "(the file keeps its SHA-256); send SIGHUP to a running server to load it", file=sys.stderr)
+    return 0
+
+
 def _add_bench(subparsers) -> None:
     p = subparsers.add_parser("bench", help="Benchmarks.")
     kinds = p.add_subparsers(dest="bench_kind", required=True)
@@ -89,18 +138,24 @@ def _add_bench(subparsers) -> None:
     s.set_defaults(func=serve.cli_main)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(keys_only: bool = False) -> argparse.ArgumentParser:
+    """The command line; `keys_only` leaves out the other commands (the benchmarks' import torch: `pagedserve
+    keys` stays fast)."""
     parser = argparse.ArgumentParser(prog="pagedserve", description="High-throughput LLM inference engine.")
     subparsers = parser.add_subparsers(dest="command", required=True)
-    _add_generate(subparsers)
-    _add_serve(subparsers)
-    _add_bench(subparsers)
+    if not keys_only:
+        _add_generate(subparsers)
+        _add_serve(subparsers)
+    _add_keys(subparsers)
+    if not keys_only:
+        _add_bench(subparsers)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(keys_only=argv[:1] == ["keys"]).parse_args(argv)
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError) as e:

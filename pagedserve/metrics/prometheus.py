@@ -1,11 +1,13 @@
 """Prometheus metrics with vLLM's names under the `pagedserve:` prefix, in a registry of the app's own.
 
 `PrometheusStatLogger` is an AsyncLLM stat logger: it runs on AsyncLLM's output thread after each step, with the
-step's snapshot and events (prometheus-client metrics are thread-safe).
+step's snapshot and events (prometheus-client metrics are thread-safe). `TenantMetrics` counts the server's
+requests, tokens and rate-limit refusals per tenant, with a bounded number of tenant label values.
 """
 
 from __future__ import annotations
 
+import threading
 from typing import Optional
 
 from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics,
@@ -19,12 +21,65 @@ _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 
 _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
+OTHER_TENANTS = "other"
+DEFAULT_MAX_METRIC_TENANTS = 32
+
+
+class TenantLabels:
+    """Tenant names as label values: the first `max_tenants` names seen keep their own, later ones all become
+    "other", so that the number of series stays bounded however many tenants come and go."""
+
+    def __init__(self, max_tenants: int) -> None:
+        if max_tenants < 0:
+            raise ValueError(f"max_metric_tenants must be >= 0, got {max_tenants}")
+        self.max_tenants = max_tenants
+        self._seen: set[str] = set()
+        self._lock = threading.Lock()
+
+    def __call__(self, tenant: str) -> str:
+        with self._lock:
+            if tenant in self._seen:
+                return tenant
+            if len(self._seen) < self.max_tenants:
+                self._seen.add(tenant)
+                return tenant
+        return OTHER_TENANTS
+
+
+class TenantMetrics:
+    """Per-tenant counters of the HTTP side (labelled model_name and tenant)."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str, max_tenants: int) -> None:
+        self.model_name, self.label = model_name, TenantLabels(max_tenants)
+        labels = ["model_name", "tenant"]
+        self._requests = Counter("pagedserve:tenant_requests", "Completion and chat requests by tenant and HTTP "
+                                 "status.", [*labels, "status"], registry=registry)
+        self._prompt_tokens = Counter("pagedserve:tenant_prompt_tokens", "Prompt tokens of a tenant's requests that "
+                                      "produced output.", labels, registry=registry)
+        self._generation_tokens = Counter("pagedserve:tenant_generation_tokens", "Tokens generated for a tenant.",
+                                          labels, registry=registry)
+        self._rate_limited = Counter("pagedserve:rate_limited_requests", "Requests refused by a tenant's rate "
+                                     "limit (limit: requests, tokens or concurrency).", [*labels, "limit"],
+                                     registry=registry)
+
+    def count_request(self, tenant: str, status: int) -> None:
+        self._requests.labels(self.model_name, self.label(tenant), str(status)).inc()
+
+    def count_tokens(self, tenant: str, prompt_tokens: int, generation_tokens: int) -> None:
+        label = self.label(tenant)
+        self._prompt_tokens.labels(self.model_name, label).inc(prompt_tokens)
+        self._generation_tokens.labels(self.model_name, label).inc(generation_tokens)
+
+    def count_rate_limited(self, tenant: str, limit: str) -> None:
+        self._rate_limited.labels(self.model_name, self.label(tenant), limit).inc()
 
 
 class PrometheusStatLogger:
-    def __init__(self, model_name: str, registry: Optional[CollectorRegistry] = None) -> None:
+    def __init__(self, model_name: str, registry: Optional[CollectorRegistry] = None,
+                 max_tenants: int = DEFAULT_MAX_METRIC_TENANTS) -> None:
         disable_created_metrics()  # no *_created series (process-wide, as vLLM does)
         self.registry = registry if registry is not None else CollectorRegistry()
+        self.tenants = TenantMetrics(self.registry, model_name, max_tenants)
         r, labels, name = self.registry, ["model_name"], model_name
 
         def gauge(suffix: str, doc: str):

@@ -1,12 +1,14 @@
-"""The FastAPI app: routes, API-key auth, body-size limit, OpenAI-shaped errors, HTTP metrics.
+"""The FastAPI app: routes, OpenAI-shaped errors, and the gate (gate.py: request ids, API keys and tenants,
+admin routes, body-size limit, rate limits, HTTP metrics).
 
 `build_app(async_llm, args)` takes the AsyncLLM (already running) and the parsed `pagedserve serve` args; it
-does not own the engine: whoever built the AsyncLLM shuts it down.
+does not own the engine: whoever built the AsyncLLM shuts it down. `app.state.reload_keys()` re-reads the keys
+file (what SIGHUP does, see server.py).
 """
 
 from __future__ import annotations
 
-import hmac
+import asyncio
 import json
 import logging
 import os
@@ -14,7 +16,7 @@ import time
 from typing import Optional
 
 from fastapi import FastAPI
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
@@ -22,18 +24,18 @@ from starlette.requests import Request
 import pagedserve
 from pagedserve.engine.async_llm import AsyncLLM
 from pagedserve.entrypoints.openai.errors import OpenAIError, error_response, from_validation_error
+from pagedserve.entrypoints.openai.gate import ADMIN_ROUTES, OPEN_ROUTES, ROUTES, Gate  # noqa: F401 - re-exported
 from pagedserve.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                                     TokenizeRequest)
 from pagedserve.entrypoints.openai.serving_base import ClientDisconnected, ServerConfig
 from pagedserve.entrypoints.openai.serving_chat import ServingChat
 from pagedserve.entrypoints.openai.serving_completion import ServingCompletion
-from pagedserve.metrics.prometheus import CONTENT_TYPE, PrometheusStatLogger
+from pagedserve.metrics.prometheus import CONTENT_TYPE, DEFAULT_MAX_METRIC_TENANTS, PrometheusStatLogger
+from pagedserve.tenants.rate_limiter import RateLimiter
+from pagedserve.tenants.registry import TenantRegistry, TenantStore
 
 logger = logging.getLogger(__name__)
 
-ROUTES = ("/health", "/version", "/metrics", "/tokenize", "/detokenize", "/v1/models", "/v1/completions",
-          "/v1/chat/completions")
-OPEN_ROUTES = ("/health",)
 DEFAULT_MAX_BODY_BYTES = 16 << 20
 
 
@@ -52,53 +54,21 @@ def server_config(args) -> ServerConfig:
     names = list(getattr(args, "served_model_name", None) or []) or [default_model_name(getattr(args, "model", None))]
     return ServerConfig(served_model_names=names, max_logprobs=getattr(args, "max_logprobs", 20),
                         max_body_bytes=getattr(args, "max_request_body_bytes", DEFAULT_MAX_BODY_BYTES),
-                        api_keys=keys, log_requests=not getattr(args, "disable_log_requests", False))
+                        api_keys=keys, log_requests=not getattr(args, "disable_log_requests", False),
+                        api_keys_file=getattr(args, "api_keys_file", None),
+                        scheduling_policy=getattr(args, "scheduling_policy", "fcfs"),
+                        max_metric_tenants=getattr(args, "max_metric_tenants", DEFAULT_MAX_METRIC_TENANTS))
 
 
-class _Gate:
-    """Pure ASGI middleware (it must not buffer streams): counts every HTTP request by route and status,
-    checks the API key, and refuses bodies whose Content-Length is over the limit."""
+def tenant_store(config: ServerConfig) -> TenantStore:
+    """The server's tenants (ValueError on a bad keys file, so that a server with bad keys never starts)."""
+    def on_load(registry: TenantRegistry) -> None:
+        ignored = [t.name for t in registry.tenants if t.priority != 0]
+        if ignored and config.scheduling_policy == "fcfs":
+            logger.warning("--scheduling-policy fcfs ignores the default priority of tenant(s) %s (start with "
+                           "--scheduling-policy priority or fair to use it)", ", ".join(sorted(ignored)))
 
-    def __init__(self, app, config: ServerConfig, metrics: PrometheusStatLogger) -> None:
-        self.app, self.config, self.metrics = app, config, metrics
-        self._keys = [k.encode() for k in config.api_keys]
-
-    def _authorized(self, scope) -> bool:
-        header = dict(scope.get("headers") or []).get(b"authorization", b"")
-        scheme, _, token = header.partition(b" ")
-        ok = False
-        for key in self._keys:  # every key is compared, in constant time
-            ok |= scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), key)
-        return ok
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        status = [500]
-
-        async def send_and_note(message) -> None:
-            if message["type"] == "http.response.start":
-                status[0] = message["status"]
-            await send(message)
-
-        path = scope["path"]
-        try:
-            if self._keys and path not in OPEN_ROUTES and not self._authorized(scope):
-                response = error_response("Invalid or missing API key: send `Authorization: Bearer <key>`.", 401,
-                                          code="invalid_api_key")
-                return await response(scope, receive, send_and_note)
-            length = dict(scope.get("headers") or []).get(b"content-length")
-            if length is not None and length.isdigit() and int(length) > self.config.max_body_bytes:
-                return await _too_large(self.config)(scope, receive, send_and_note)
-            await self.app(scope, receive, send_and_note)
-        finally:
-            self.metrics.http_requests.labels(path if path in ROUTES else "other", scope.get("method", ""),
-                                              str(status[0])).inc()
-
-
-def _too_large(config: ServerConfig) -> JSONResponse:
-    return error_response(f"The request body is over the limit of {config.max_body_bytes} bytes.", 413,
-                          code="request_too_large")
+    return TenantStore(config.api_keys, config.api_keys_file, on_load)
 
 
 async def _read_json(request: Request, config: ServerConfig, model_cls):
@@ -121,18 +91,29 @@ async def _read_json(request: Request, config: ServerConfig, model_cls):
         raise from_validation_error(e) from None
 
 
-def build_app(async_llm: AsyncLLM, args, metrics: Optional[PrometheusStatLogger] = None) -> FastAPI:
+def build_app(async_llm: AsyncLLM, args, metrics: Optional[PrometheusStatLogger] = None,
+              tenants: Optional[TenantStore] = None, rate_limiter: Optional[RateLimiter] = None) -> FastAPI:
+    """The app over a running AsyncLLM. `tenants` (default: from args), `metrics` and `rate_limiter` (its clock
+    is what tests move) may be given."""
     config = server_config(args)
-    metrics = metrics or PrometheusStatLogger(config.served_model_names[0])
+    tenants = tenants or tenant_store(config)
+    metrics = metrics or PrometheusStatLogger(config.served_model_names[0], max_tenants=config.max_metric_tenants)
+    rate_limiter = rate_limiter or RateLimiter()
     async_llm.stat_loggers.append(metrics)
-    completions = ServingCompletion(async_llm, config)
-    chat = ServingChat(async_llm, config)
-    started = int(time.time())
-
     app = FastAPI(title="pagedserve", version=pagedserve.__version__, docs_url=None, redoc_url=None,
                   openapi_url=None)
     app.state.async_llm, app.state.config, app.state.metrics = async_llm, config, metrics
+    app.state.tenants, app.state.rate_limiter, app.state.reload_keys = tenants, rate_limiter, tenants.reload
+    _add_error_handlers(app)
+    _add_info_routes(app, async_llm, args, config, metrics)
+    _add_generation_routes(app, async_llm, config)
+    _add_admin_routes(app, async_llm)
+    app.add_middleware(Gate, max_body_bytes=config.max_body_bytes, metrics=metrics, tenants=tenants,
+                       rate_limiter=rate_limiter)
+    return app
 
+
+def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(OpenAIError)
     async def _openai_error(_, e: OpenAIError):
         return e.response()
@@ -149,6 +130,11 @@ def build_app(async_llm: AsyncLLM, args, metrics: Optional[PrometheusStatLogger]
     async def _internal(_, e: Exception):
         logger.exception("unhandled error")
         return error_response(f"internal server error: {e!r}", 500)
+
+
+def _add_info_routes(app: FastAPI, async_llm: AsyncLLM, args, config: ServerConfig,
+                     metrics: PrometheusStatLogger) -> None:
+    started = int(time.time())
 
     @app.get("/health")
     async def health():
@@ -170,6 +156,11 @@ def build_app(async_llm: AsyncLLM, args, metrics: Optional[PrometheusStatLogger]
             {"id": name, "object": "model", "created": started, "owned_by": "pagedserve",
              "root": getattr(args, "model", None) or config.served_model_names[0],
              "max_model_len": async_llm.max_model_len} for name in config.served_model_names]}
+
+
+def _add_generation_routes(app: FastAPI, async_llm: AsyncLLM, config: ServerConfig) -> None:
+    completions = ServingCompletion(async_llm, config)
+    chat = ServingChat(async_llm, config)
 
     @app.post("/v1/completions")
     async def create_completion(request: Request):
@@ -200,5 +191,18 @@ def build_app(async_llm: AsyncLLM, args, metrics: Optional[PrometheusStatLogger]
         chat.check_token_ids(body.tokens, "tokens")
         return {"prompt": chat.tokenizer.decode(body.tokens)}
 
-    app.add_middleware(_Gate, config=config, metrics=metrics)
-    return app
+
+def _add_admin_routes(app: FastAPI, async_llm: AsyncLLM) -> None:
+    """The routes of ADMIN_ROUTES (the gate refuses user keys before they get here)."""
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache():
+        # A call into the core process that waits for its reply: off the event loop.
+        try:
+            done = await asyncio.to_thread(async_llm.reset_prefix_cache)
+        except Exception as e:  # noqa: BLE001 - a dead or unresponsive core
+            raise OpenAIError(f"the engine could not reset its prefix cache: {e}", 503, code="engine_dead") from e
+        if not done:
+            raise OpenAIError("the prefix cache was not reset: running requests hold cached blocks; retry when "
+                              "they have finished", 409, code="prefix_cache_in_use")
+        return Response(status_code=200)

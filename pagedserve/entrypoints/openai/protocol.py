@@ -45,6 +45,8 @@ class _SamplingFields(_Body):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     cache_salt: Optional[str] = None
+    priority: Optional[int] = None
+    """Lower runs first; omitted: the tenant's default priority (needs --scheduling-policy priority or fair)."""
 
 
 class CompletionRequest(_SamplingFields):

@@ -1,25 +1,33 @@
-"""`pagedserve serve`: build the engine, run uvicorn, and shut down gracefully on SIGTERM/SIGINT."""
+"""`pagedserve serve`: build the engine, run uvicorn (HTTPS with --ssl-keyfile/--ssl-certfile), shut down
+gracefully on SIGTERM/SIGINT, and re-read the keys file on SIGHUP."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import logging
 import signal
 import threading
+from typing import Callable, Optional
 
 import uvicorn
 
 from pagedserve.engine.async_llm import AsyncLLM
 from pagedserve.entrypoints.engine_args import engine_kwargs
-from pagedserve.entrypoints.openai.api_server import build_app
+from pagedserve.entrypoints.openai.api_server import build_app, server_config, tenant_store
 
 logger = logging.getLogger("pagedserve.serve")
 
 
 class _Server(uvicorn.Server):
     """uvicorn's server, except that a SIGTERM/SIGINT shutdown ends in a normal return (exit 0) instead of
-    re-raising the signal once the server has stopped."""
+    re-raising the signal once the server has stopped, and that SIGHUP calls `on_sighup` on the event loop
+    (connections and streams in flight are not touched)."""
+
+    def __init__(self, config: uvicorn.Config, on_sighup: Optional[Callable[[], object]] = None) -> None:
+        super().__init__(config)
+        self.on_sighup = on_sighup
 
     @contextlib.contextmanager
     def capture_signals(self):
@@ -27,6 +35,11 @@ class _Server(uvicorn.Server):
             yield
             return
         previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        if self.on_sighup is not None:
+            loop = asyncio.get_running_loop()  # capture_signals runs inside uvicorn's serve()
+            # The handler only schedules: the reload runs on the loop, between requests' steps, not mid-bytecode.
+            previous[signal.SIGHUP] = signal.signal(signal.SIGHUP,
+                                                    lambda *_: loop.call_soon_threadsafe(self.on_sighup))
         try:
             yield
         finally:
@@ -37,18 +50,33 @@ class _Server(uvicorn.Server):
         await super().startup(sockets)
         if self.started:
             host = self.config.host if ":" not in self.config.host else f"[{self.config.host}]"
-            logger.info("pagedserve is ready: http://%s:%d/v1 (model: %s)", host, self.servers[0].sockets[0]
+            scheme = "https" if self.config.ssl_certfile else "http"
+            logger.info("pagedserve is ready: %s://%s:%d/v1 (model: %s)", scheme, host, self.servers[0].sockets[0]
                         .getsockname()[1] if self.servers else self.config.port,
                         ", ".join(self.config.app.state.config.served_model_names))
 
 
+def _check_server_flags(args: argparse.Namespace) -> None:
+    """The server's own flags, checked before the model loads."""
+    if bool(args.ssl_keyfile) != bool(args.ssl_certfile):
+        raise ValueError("--ssl-keyfile and --ssl-certfile go together: give both for HTTPS, or neither")
+    if args.max_metric_tenants < 0:
+        raise ValueError(f"--max-metric-tenants must be >= 0, got {args.max_metric_tenants}")
+
+
 def serve(args: argparse.Namespace) -> int:
+    _check_server_flags(args)
+    tenants = tenant_store(server_config(args))  # a bad keys file stops us before the model loads
+    if tenants.keys_file is not None:
+        logger.info("keys file %s: %d tenant(s): %s (SIGHUP re-reads it)", tenants.keys_file,
+                    len(tenants.registry.names()), ", ".join(tenants.registry.names()))
     async_llm = AsyncLLM.from_kwargs(max_num_queued_requests=args.max_num_queued_requests, **engine_kwargs(args))
     try:
-        app = build_app(async_llm, args)
+        app = build_app(async_llm, args, tenants=tenants)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info", access_log=False,
-                                timeout_graceful_shutdown=args.shutdown_timeout, lifespan="off")
-        _Server(config).run()
+                                timeout_graceful_shutdown=args.shutdown_timeout, lifespan="off",
+                                ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile)
+        _Server(config, on_sighup=tenants.reload if tenants.keys_file else None).run()
     finally:
         async_llm.shutdown()
         logger.info("pagedserve stopped")

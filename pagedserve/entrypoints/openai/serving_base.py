@@ -4,10 +4,8 @@ async plumbing (several engine streams merged into one, a client disconnect canc
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable, Iterable, Optional, TypeVar
 
@@ -15,6 +13,7 @@ from starlette.requests import Request as HTTPRequest
 
 from pagedserve.engine.async_llm import AsyncLLM, EngineDeadError, QueueFullError
 from pagedserve.entrypoints.openai.errors import OpenAIError, from_value_error
+from pagedserve.entrypoints.openai.request_context import REQUEST_ID_HEADER, RequestContext
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
 
@@ -31,7 +30,13 @@ class ServerConfig:
     max_logprobs: int = 20
     max_body_bytes: int = 16 << 20
     api_keys: list[str] = field(default_factory=list)
+    """The `--api-key` keys (admin scope, tenant "default")."""
     log_requests: bool = True
+    api_keys_file: Optional[str] = None
+    """The keys file of named tenants (`pagedserve/tenants/keys_file.py`), re-read on SIGHUP."""
+    scheduling_policy: str = "fcfs"
+    """The engine's policy: under "fcfs" tenants' default priorities are not passed on."""
+    max_metric_tenants: int = 32
 
 
 class ClientDisconnected(Exception):
@@ -115,33 +120,48 @@ class ServingBase:
 
     # -- running -----------------------------------------------------------------------------------------------
 
-    def new_id(self, prefix: str) -> str:
-        return f"{prefix}-{uuid.uuid4().hex}"
-
     @staticmethod
     def created() -> int:
         return int(time.time())
 
-    def cache_salt(self, http: HTTPRequest, client_salt: Optional[str]) -> Optional[str]:
-        """The prefix-cache salt of a request. With API keys, it is derived from the caller's key, so that one
-        key's requests never hit another key's cached blocks (no timing side channel between tenants); a
-        client's own `cache_salt` is added on top of the key's, never in place of it."""
-        if not self.config.api_keys:
+    @staticmethod
+    def cache_salt(ctx: RequestContext, client_salt: Optional[str]) -> Optional[str]:
+        """The prefix-cache salt of a request. With API keys, it is derived from the caller's tenant (a keys-file
+        tenant's name; an --api-key key's own key), so that one tenant's requests never hit another's cached
+        blocks (no timing side channel between tenants); a client's own `cache_salt` is added on top of the
+        tenant's, never in place of it."""
+        tenant_salt = ctx.tenant.cache_salt
+        if tenant_salt is None:
             return client_salt
-        token = http.headers.get("authorization", "").partition(" ")[2].strip()
-        key_salt = hashlib.sha256(b"pagedserve-tenant:" + token.encode()).hexdigest()
-        return key_salt if client_salt is None else f"{key_salt}/{client_salt}"
+        return tenant_salt if client_salt is None else f"{tenant_salt}/{client_salt}"
 
-    def streams(self, prompts: list[tuple[Optional[str], list[int]]], params: list[SamplingParams],
-                request_id: str, cache_salt: Optional[str] = None,
+    def request_priority(self, ctx: RequestContext, requested: Optional[int]) -> int:
+        """The engine priority of a request (lower runs first): the body's `priority`, else the tenant's default
+        (not passed on under the fcfs policy, which refuses any priority but 0). A user-scope tenant may not ask
+        for better than its `min_priority`."""
+        tenant = ctx.tenant
+        if requested is None:
+            return 0 if self.config.scheduling_policy == "fcfs" else tenant.priority
+        if not tenant.is_admin and requested < tenant.min_priority:
+            raise OpenAIError(f"priority {requested} is better than tenant {tenant.name} may ask for: at best "
+                              f"{tenant.min_priority} (lower runs first)", 400, param="priority")
+        return requested
+
+    def streams(self, ctx: RequestContext, prompts: list[tuple[Optional[str], list[int]]],
+                params: list[SamplingParams], priority: int = 0, cache_salt: Optional[str] = None,
                 cached_tokens: Optional[dict[int, int]] = None) -> AsyncIterator[tuple[int, RequestOutput]]:
         """One engine request per prompt (with its params), merged into one stream of (prompt index, delta).
-        `cached_tokens` (prompt index -> prompt tokens served from the prefix cache) is filled as it runs."""
+        The tenant's token budget is reserved first (OpenAIError 429 when it has not enough; nothing reaches the
+        engine then) and settled when the stream ends. `cached_tokens` (prompt index -> prompt tokens served
+        from the prefix cache) is filled as it runs."""
+        ctx.reserve_tokens(sum(len(ids) + p.max_tokens * p.n for (_, ids), p in zip(prompts, params)))
+        request_id = ctx.request_id
         gens = [self.async_llm.generate({"prompt": text, "prompt_token_ids": ids, "cache_salt": cache_salt}, p,
-                                        request_id if len(prompts) == 1 else f"{request_id}-{i}")
+                                        request_id if len(prompts) == 1 else f"{request_id}-{i}",
+                                        priority=priority, tenant=ctx.tenant.name)
                 for i, ((text, ids), p) in enumerate(zip(prompts, params))]
-        merged = merge_streams(gens)
-        return merged if cached_tokens is None else _noting_cached_tokens(merged, cached_tokens)
+        metered = _metered(merge_streams(gens), ctx, [len(ids) for _, ids in prompts])
+        return metered if cached_tokens is None else _noting_cached_tokens(metered, cached_tokens)
 
 
 def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: dict[int, int]) -> dict:
@@ -149,6 +169,22 @@ def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: dict[i
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
             "prompt_tokens_details": {"cached_tokens": sum(cached_tokens.values())}}
+
+
+async def _metered(stream: AsyncIterator[tuple[int, RequestOutput]], ctx: RequestContext,
+                   prompt_lengths: list[int]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Counts the tokens a request really used (the prompts that produced output, and every generated token)
+    and settles the tenant's reservation with them when the stream ends: finished, failed or abandoned."""
+    started: set[int] = set()
+    generated = 0
+    try:
+        async for i, out in stream:
+            started.add(i)
+            generated += sum(len(c.token_ids) for c in out.outputs)
+            yield i, out
+    finally:
+        ctx.finish_tokens(sum(prompt_lengths[i] for i in started), generated)
+        await stream.aclose()
 
 
 async def _noting_cached_tokens(stream: AsyncIterator[tuple[int, RequestOutput]],
@@ -290,5 +326,7 @@ def engine_error(e: Exception, param: Optional[str] = "prompt") -> OpenAIError:
     if isinstance(e, EngineDeadError):
         return OpenAIError(str(e), 503, code="engine_dead")
     if isinstance(e, ValueError):
+        if "already in use" in str(e):  # the client's X-Request-Id is the id of a request still in flight
+            return OpenAIError(f"{REQUEST_ID_HEADER}: {e}", 400, param=REQUEST_ID_HEADER)
         return from_value_error(e) if str(e).split(" ", 1)[0] != "request" else OpenAIError(str(e), 400, param=param)
     return OpenAIError(f"internal error: {e!r}", 500)

@@ -11,6 +11,7 @@ from starlette.requests import Request as HTTPRequest
 
 from pagedserve.entrypoints.openai.errors import OpenAIError
 from pagedserve.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
+from pagedserve.entrypoints.openai.request_context import request_context
 from pagedserve.entrypoints.openai.serving_base import (ServingBase, collect, first_output, sse, sse_events,
                                                         usage_dict)
 
@@ -61,13 +62,15 @@ class ServingChat(ServingBase):
         else:
             max_tokens = self.max_tokens_for(len(ids), body.max_tokens)
         params = self.sampling_params(body, max_tokens, logprobs, rename={"logprobs": "top_logprobs"})
-        request_id = self.new_id("chatcmpl")
+        ctx = request_context(http)
+        priority = self.request_priority(ctx, body.priority)
         if self.config.log_requests:
-            logger.info("%s: %d prompt tokens, %s", request_id, len(ids), params)
+            logger.info("request %s (tenant %s, priority %d): %d prompt tokens, %s", ctx.request_id,
+                        ctx.tenant.name, priority, len(ids), params)
         cached: dict[int, int] = {}
-        stream = self.streams([(text, ids)], [params], request_id, self.cache_salt(http, body.cache_salt), cached)
+        stream = self.streams(ctx, [(text, ids)], [params], priority, self.cache_salt(ctx, body.cache_salt), cached)
         choices = [_Choice() for _ in range(body.n)]
-        head = {"id": request_id, "created": self.created(), "model": model}
+        head = {"id": f"chatcmpl-{ctx.request_id}", "created": self.created(), "model": model}
         usage = lambda: usage_dict(len(ids), sum(c.num_tokens for c in choices), cached)  # noqa: E731
 
         if not body.stream:

@@ -11,6 +11,7 @@ from starlette.requests import Request as HTTPRequest
 
 from pagedserve.entrypoints.openai.errors import OpenAIError
 from pagedserve.entrypoints.openai.protocol import CompletionRequest
+from pagedserve.entrypoints.openai.request_context import request_context
 from pagedserve.entrypoints.openai.serving_base import (ServingBase, collect, first_output, sse, sse_events,
                                                         usage_dict)
 
@@ -40,15 +41,17 @@ class ServingCompletion(ServingBase):
         prompts = self._prompts(body.prompt)
         params = [self.sampling_params(body, self.max_tokens_for(len(ids), body.max_tokens), body.logprobs)
                   for _, ids in prompts]
-        request_id = self.new_id("cmpl")
+        ctx = request_context(http)
+        priority = self.request_priority(ctx, body.priority)
         if self.config.log_requests:
-            logger.info("%s: %d prompt(s), %s prompt tokens, %s", request_id, len(prompts),
-                        [len(ids) for _, ids in prompts], params[0])
+            logger.info("request %s (tenant %s, priority %d): %d prompt(s), %s prompt tokens, %s", ctx.request_id,
+                        ctx.tenant.name, priority, len(prompts), [len(ids) for _, ids in prompts], params[0])
         cached: dict[int, int] = {}
-        stream = self.streams(prompts, params, request_id, self.cache_salt(http, body.cache_salt), cached)
+        stream = self.streams(ctx, prompts, params, priority, self.cache_salt(ctx, body.cache_salt), cached)
         n = body.n
         choices = [_Choice() for _ in range(len(prompts) * n)]
-        head = {"id": request_id, "object": "text_completion", "created": self.created(), "model": model}
+        head = {"id": f"cmpl-{ctx.request_id}", "object": "text_completion", "created": self.created(),
+                "model": model}
         usage = lambda: usage_dict(sum(len(ids) for _, ids in prompts),  # noqa: E731
                                    sum(len(c.token_ids) for c in choices), cached)
         echo = [(text if text is not None else self._decode(ids)) if body.echo else "" for text, ids in prompts]

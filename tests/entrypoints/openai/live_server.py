@@ -7,8 +7,10 @@ import threading
 import time
 from dataclasses import dataclass
 
+import httpx
 import pytest
 import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
 
 from pagedserve.engine.async_llm import AsyncLLM
 from pagedserve.entrypoints.cli import build_parser
@@ -30,6 +32,10 @@ class LiveServer:
     def engine(self):
         return self.async_llm
 
+    @property
+    def app(self):
+        return self.server.config.app
+
     def wait_idle(self, timeout: float = 5.0) -> float:
         """Seconds until the engine has nothing left running (fails after `timeout`)."""
         start = time.monotonic()
@@ -44,11 +50,17 @@ class LiveServer:
         self.async_llm.shutdown()
 
 
-def start_server(model_dir: str, *flags: str) -> LiveServer:
+def start_server(model_dir: str, *flags: str, log_requests: bool = False, **app_kwargs) -> LiveServer:
+    """A server with these `pagedserve serve` flags; `app_kwargs` go to build_app (e.g. a rate_limiter)."""
+    quiet = [] if log_requests else ["--disable-log-requests"]
     args = build_parser().parse_args(["serve", "--model", model_dir, "--served-model-name", MODEL_NAME, "other-name",
-                                      "--disable-log-requests", *ENGINE_FLAGS, *flags])
+                                      *quiet, *ENGINE_FLAGS, *flags])
     async_llm = AsyncLLM.from_kwargs(max_num_queued_requests=args.max_num_queued_requests, **engine_kwargs(args))
-    app = build_app(async_llm, args)
+    try:
+        app = build_app(async_llm, args, **app_kwargs)
+    except BaseException:
+        async_llm.shutdown()
+        raise
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
@@ -60,6 +72,17 @@ def start_server(model_dir: str, *flags: str) -> LiveServer:
         assert time.monotonic() < deadline and thread.is_alive(), "server did not start"
         time.sleep(0.02)
     return LiveServer(f"http://127.0.0.1:{port}", async_llm, server, thread)
+
+
+def scrape(server, headers: dict | None = None) -> dict:
+    """{(sample name, frozen labels): value} of the server's /metrics, parsed by prometheus_client's parser."""
+    text = httpx.get(server.url + "/metrics", headers=headers).text
+    return {(s.name, frozenset(s.labels.items())): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def value(samples: dict, name: str, **labels) -> float:
+    return samples.get((name, frozenset(labels.items())), 0.0)
 
 
 @pytest.fixture(scope="module")
