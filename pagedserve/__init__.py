@@ -1,9 +1,10 @@
 """pagedserve: a high-throughput LLM inference engine with a paged KV cache and continuous batching."""
 
+from pagedserve.lora.request import LoRARequest
 from pagedserve.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedserve.sampling_params import SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "LoRARequest"]
 __version__ = "0.1.0"
 
 

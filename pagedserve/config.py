@@ -83,12 +83,37 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    enable_lora: bool = False
+    """Serve LoRA adapters (PEFT folders) on top of the base model; requests pick one by name."""
+    max_loras: int = 1
+    """Most distinct LoRA adapters in one batch (each takes a slot of stacked weights on the device)."""
+    max_lora_rank: int = 16
+    """Highest LoRA rank accepted; slots are sized for it, and adapters of a higher rank are refused."""
+    max_cpu_loras: Optional[int] = None
+    """Unused LoRA adapters kept loaded in memory, least recently used evicted first (default: max_loras)."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_loras", "max_lora_rank"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
+
+    @property
+    def cpu_capacity(self) -> int:
+        """max_cpu_loras with its default filled in."""
+        return self.max_loras if self.max_cpu_loras is None else self.max_cpu_loras
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs, built once."""
 
     model_config: ModelConfig = field(default_factory=ModelConfig)
     cache_config: CacheConfig = field(default_factory=CacheConfig)
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
+    lora_config: LoRAConfig = field(default_factory=LoRAConfig)
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":
@@ -98,14 +123,18 @@ class EngineConfig:
         once the model's context length is known.
         """
         parts = {}
-        for config_cls in (ModelConfig, CacheConfig, SchedulerConfig):
+        for config_cls in ENGINE_CONFIGS:
             names = {f.name for f in dataclasses.fields(config_cls)}
             parts[config_cls] = config_cls(**{k: kwargs.pop(k) for k in list(kwargs) if k in names})
         if kwargs:
             raise TypeError(f"unknown engine argument(s): {', '.join(sorted(kwargs))}")
         if parts[ModelConfig].dtype not in DTYPE_CHOICES:
             raise ValueError(f"dtype must be one of {DTYPE_CHOICES}, got {parts[ModelConfig].dtype!r}")
-        return cls(parts[ModelConfig], parts[CacheConfig], parts[SchedulerConfig])
+        return cls(parts[ModelConfig], parts[CacheConfig], parts[SchedulerConfig], parts[LoRAConfig])
+
+
+ENGINE_CONFIGS = (ModelConfig, CacheConfig, SchedulerConfig, LoRAConfig)
+"""The config classes whose fields are engine arguments, in routing order (the CLI makes a flag of each)."""
 
 
 def config_field_help(config_cls, name: str) -> str:

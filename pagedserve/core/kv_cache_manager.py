@@ -15,16 +15,28 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def hash_block(parent_hash: Optional[bytes], token_ids: list[int], cache_salt: Optional[str]) -> bytes:
+def hash_block(parent_hash: Optional[bytes], token_ids: list[int], cache_salt: Optional[str],
+               lora: Optional[tuple[str, int]] = None) -> bytes:
     """The identity of a full block: its tokens, chained over the previous block's hash so that equal
-    tokens after different prefixes never collide. The request's cache salt (one per tenant) enters the
-    first block, so it changes the whole chain. SHA-256, not Python's hash: a tenant must not be able to
-    craft a collision with another tenant's blocks."""
+    tokens after different prefixes never collide. The request's cache salt (one per tenant) and its LoRA
+    adapter (name, load generation) enter the first block, so they change the whole chain: two adapters, an
+    adapter and the base model, or two loads of one adapter never share KV. SHA-256, not Python's hash: a
+    tenant must not be able to craft a collision with another tenant's blocks."""
     h = hashlib.sha256(parent_hash or b"")
+    if parent_hash is None and lora is not None:
+        # Length-prefixed and ahead of the salt, so that no salt can spell out an adapter's identity.
+        name = lora[0].encode()
+        h.update(b"lora:%d:%s:%d;" % (len(name), name, lora[1]))
     if parent_hash is None and cache_salt is not None:
         h.update(b"salt:" + cache_salt.encode())
     h.update(array("q", token_ids).tobytes())
     return h.digest()
+
+
+def _lora_identity(request: Request) -> Optional[tuple[str, int]]:
+    if request.lora_generation is None:
+        return None
+    return request.lora_request.lora_name, request.lora_generation
 
 
 class KVCacheManager:
@@ -58,9 +70,11 @@ class KVCacheManager:
         """Hashes of the request's full blocks within its first `num_tokens` tokens (computed once each)."""
         hashes = self.req_to_hashes.setdefault(request.request_id, [])
         size = self.block_size
+        lora = _lora_identity(request)
         for i in range(len(hashes), num_tokens // size):
             parent = hashes[-1] if hashes else None
-            hashes.append(hash_block(parent, request.all_token_ids[i * size:(i + 1) * size], request.cache_salt))
+            hashes.append(hash_block(parent, request.all_token_ids[i * size:(i + 1) * size], request.cache_salt,
+                                     lora))
         return hashes
 
     def get_computed_blocks(self, request: Request) -> list[int]:

@@ -6,6 +6,7 @@ import enum
 import time
 from typing import Optional
 
+from pagedserve.lora.request import LoRARequest
 from pagedserve.sampling_params import SamplingParams
 
 
@@ -53,6 +54,7 @@ class Request:
         cache_salt: Optional[str] = None,
         priority: int = 0,
         tenant: Optional[str] = None,
+        lora_request: Optional[LoRARequest] = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -70,6 +72,11 @@ class Request:
         """Lower runs first (vLLM's convention); only the priority and fair policies look at it."""
         self.tenant = tenant
         """Who sent it (a tenant name or None): the fair policy shares computed tokens between tenants."""
+        self.lora_request = lora_request
+        """The LoRA adapter to run with (None: the base model)."""
+        self.lora_generation: Optional[int] = None
+        """The load of that adapter the core bound this request to on admission (LoRAAdapter.generation):
+        slots and prefix-cache hashes refer to it, so a reloaded adapter never serves this request's KV."""
         self.num_cached_tokens = 0
         """Prompt tokens found in the prefix cache when the request was first scheduled."""
         self.first_scheduled_time: Optional[float] = None

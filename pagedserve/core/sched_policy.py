@@ -37,6 +37,12 @@ class FCFSQueue(deque):
     def pop_head(self) -> Request:
         return self.popleft()
 
+    def pop_at(self, index: int) -> Request:
+        """Take the request at `index` out (the scheduler passes over some, see Scheduler._first_with_lora_slot)."""
+        request = self[index]
+        del self[index]
+        return request
+
 
 class SortedQueue:
     """The waiting queue kept sorted by a policy's key (stable: the key ends in an arrival sequence number).
@@ -59,8 +65,11 @@ class SortedQueue:
         return self._requests[0]
 
     def pop_head(self) -> Request:
-        self._keys.pop(0)
-        return self._requests.pop(0)
+        return self.pop_at(0)
+
+    def pop_at(self, index: int) -> Request:
+        self._keys.pop(index)
+        return self._requests.pop(index)
 
     def remove(self, request: Request) -> None:
         index = self._requests.index(request)

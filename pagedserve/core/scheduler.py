@@ -15,11 +15,13 @@ from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.request import Request, RequestStatus
 from pagedserve.core.sched_policy import make_policy
 from pagedserve.core.scheduler_output import ScheduledRequest, SchedulerOutput
+from pagedserve.lora.slots import SlotTable
 
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, max_loras: int = 0) -> None:
+        """`max_loras` > 0 turns on LoRA: at most that many distinct adapters among the running requests."""
         self.config = config
         self.kv = kv_cache_manager
         self.policy = make_policy(config.scheduling_policy, config.max_num_batched_tokens)
@@ -31,6 +33,7 @@ class Scheduler:
         self._clock = clock
         self._last_schedule_time: Optional[float] = None
         self._last_step_duration = 0.0
+        self.lora_slots: Optional[SlotTable] = SlotTable(max_loras) if max_loras else None
 
     # -- admission -------------------------------------------------------------------------------------
 
@@ -59,6 +62,9 @@ class Scheduler:
             self._schedule_by_key(out, admit)
         else:
             self._schedule_fcfs(out, admit)
+        if self.lora_slots is not None:
+            used = {s.request.lora_generation for s in out.scheduled}
+            out.lora_slots = {g: slot for g, slot in self.lora_slots.active().items() if g in used}
         return out
 
     def _admission_open(self) -> bool:
@@ -83,13 +89,18 @@ class Scheduler:
             if scheduled is not None:
                 budget -= scheduled
                 i += 1
-        # Then waiting requests, in order, unless this step already had to preempt (memory is tight).
-        while (admit and len(self.waiting) and budget > 0 and not out.preempted_request_ids
+        # Then waiting requests, in order, unless this step already had to preempt (memory is tight). One
+        # whose LoRA adapter can get no slot is passed over (it stays first in line); those behind it may run.
+        passed = 0
+        while (admit and budget > 0 and not out.preempted_request_ids
                and len(self.running) < self.config.max_num_seqs):
-            scheduled = self._try_admit(self.waiting.peek(), budget, out)
+            passed = self._first_with_lora_slot(passed)
+            if passed == len(self.waiting):
+                break
+            scheduled = self._try_admit(self.waiting[passed], budget, out)
             if scheduled is None:
                 break
-            self.running.append(self.waiting.pop_head())
+            self.running.append(self.waiting.pop_at(passed))
             budget -= scheduled
 
     def _schedule_by_key(self, out: SchedulerOutput, admit: bool) -> None:
@@ -98,9 +109,11 @@ class Scheduler:
         key = self.policy.key
         self.policy.before_schedule(self.waiting)
         self.running.sort(key=key)
-        budget, i, admitted = self.config.max_num_batched_tokens, 0, []
+        budget, i, admitted, passed = self.config.max_num_batched_tokens, 0, [], 0
         while budget > 0:
-            head = self.waiting.peek() if admit and len(self.waiting) else None
+            # Waiting requests whose LoRA adapter can get no slot are passed over, as under fcfs.
+            passed = self._first_with_lora_slot(passed) if admit else passed
+            head = self.waiting[passed] if admit and passed < len(self.waiting) else None
             if i < len(self.running) and (head is None or not key(head) < key(self.running[i])):
                 scheduled = self._schedule_running(self.running[i], budget, out)
                 if scheduled is not None:
@@ -116,9 +129,20 @@ class Scheduler:
             if scheduled is None:
                 admit = False
                 continue
-            admitted.append(self.waiting.pop_head())
+            admitted.append(self.waiting.pop_at(passed))
             budget -= scheduled
         self.running.extend(admitted)
+
+    def _first_with_lora_slot(self, start: int) -> int:
+        """The index of the first waiting request from `start` on whose adapter (if any) can get a LoRA slot
+        now; len(waiting) when there is none."""
+        while start < len(self.waiting) and not self._lora_slot_free(self.waiting[start]):
+            start += 1
+        return start
+
+    def _lora_slot_free(self, request: Request) -> bool:
+        generation = request.lora_generation
+        return self.lora_slots is None or generation is None or self.lora_slots.can_acquire(generation)
 
     def _schedule_running(self, request: Request, budget: int, out: SchedulerOutput) -> Optional[int]:
         """Schedule a running request's next tokens; the number scheduled, or None when it was preempted."""
@@ -158,6 +182,8 @@ class Scheduler:
             request.num_computed_tokens = 0
             return None
         self.kv.record_prefix_lookup(request.num_tokens, num_cached)
+        if self.lora_slots is not None and request.lora_generation is not None:
+            self.lora_slots.acquire(request.lora_generation)  # the caller checked _lora_slot_free
         request.status = RequestStatus.RUNNING
         if request.first_scheduled_time is None:
             request.first_scheduled_time = time.time()
@@ -186,6 +212,7 @@ class Scheduler:
         # Preemption by recompute: drop the KV, keep the tokens; it resumes from the front of the queue
         # (under a keyed policy: where its key puts it).
         self.kv.free(request, keep_hashes=True)
+        self._release_lora_slot(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -243,11 +270,18 @@ class Scheduler:
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         # The caller takes the request out of its queue.
+        if request.status == RequestStatus.RUNNING:
+            self._release_lora_slot(request)
         request.status = status
         self.kv.free(request)
         self.policy.on_finish(request)
         del self.requests[request.request_id]
         self._finished_since_last_step.append(request.request_id)
+
+    def _release_lora_slot(self, request: Request) -> None:
+        """A running request stops holding its adapter's slot (preempted or finished)."""
+        if self.lora_slots is not None and request.lora_generation is not None:
+            self.lora_slots.release(request.lora_generation)
 
     # -- state -----------------------------------------------------------------------------------------
 

@@ -27,6 +27,9 @@ class SchedulerOutput:
     preempted_request_ids: list[str] = field(default_factory=list)
     finished_request_ids: list[str] = field(default_factory=list)
     """Requests that finished since the last step: the runner drops any state it keeps for them."""
+    lora_slots: dict[int, int] = field(default_factory=dict)
+    """LoRA load generation -> slot, for the adapters of this step's requests (empty without LoRA): the
+    runner makes sure each slot holds its adapter, then applies it to those requests' rows."""
 
     @property
     def is_empty(self) -> bool:

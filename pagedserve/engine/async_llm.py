@@ -87,7 +87,8 @@ class AsyncLLM:
         # Requests are tokenized on the event loop while the reader thread detokenizes: one tokenizer each.
         self.input_processor = InputProcessor(copy.deepcopy(self.tokenizer), self.info.vocab_size,
                                               self.info.max_model_len, frozenset(eos),
-                                              config.scheduler_config.scheduling_policy)
+                                              config.scheduler_config.scheduling_policy,
+                                              config.lora_config.enable_lora)
         self.output_processor = OutputProcessor(self.tokenizer)
 
     @classmethod
@@ -117,20 +118,34 @@ class AsyncLLM:
         """Forget the core's prefix cache; False while requests hold blocks."""
         return self._client.call("reset_prefix_cache", timeout)
 
+    def add_lora(self, lora_request, timeout: float = 60.0) -> bool:
+        """Load and check a LoRA adapter in the core now (ValueError naming the problem when it cannot be
+        served)."""
+        return self._client.call("add_lora", timeout, (lora_request,))
+
+    def remove_lora(self, lora_int_id: int, timeout: float = 10.0) -> bool:
+        """Unload an adapter (see EngineCore.remove_lora); False when the core does not know it."""
+        return self._client.call("remove_lora", timeout, (lora_int_id,))
+
+    def list_loras(self, timeout: float = 10.0) -> list:
+        """The LoRARequests of the adapters the core has loaded."""
+        return self._client.call("list_loras", timeout)
+
     # -- the asyncio side ----------------------------------------------------------------------------------
 
     async def generate(self, prompt: PromptType, params: Optional[SamplingParams] = None,
-                       request_id: Optional[str] = None, priority: int = 0,
-                       tenant: Optional[str] = None) -> AsyncIterator[RequestOutput]:
+                       request_id: Optional[str] = None, priority: int = 0, tenant: Optional[str] = None,
+                       lora_request=None) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs as deltas (new text and tokens since the last one); the last has
-        finished=True. `priority` (lower runs first) and `tenant` feed the scheduling policy. Raises ValueError
+        finished=True. `priority` (lower runs first) and `tenant` feed the scheduling policy; `lora_request`
+        (a LoRARequest, or None for the base model) picks an adapter. Raises ValueError
         when the request is invalid or rejected, QueueFullError, or EngineDeadError. If the consumer stops early
         (break, aclose, cancellation: a client disconnect), the request is aborted and its KV blocks freed."""
         if not self.is_alive():
             raise EngineDeadError(f"the engine is not running ({self._dead_reason or 'shut down'})")
         request_id = request_id or uuid.uuid4().hex
         target = _Target(asyncio.get_running_loop(), asyncio.Queue())
-        self._add(request_id, prompt, params or SamplingParams(), target, priority, tenant)
+        self._add(request_id, prompt, params or SamplingParams(), target, priority, tenant, lora_request)
         finished = False
         try:
             while True:
@@ -147,8 +162,9 @@ class AsyncLLM:
                 self.abort(request_id)
 
     def _add(self, request_id: str, prompt: PromptType, params: SamplingParams, target: _Target, priority: int,
-             tenant: Optional[str]) -> None:
-        request = self.input_processor.process(request_id, prompt, params, priority=priority, tenant=tenant)
+             tenant: Optional[str], lora_request) -> None:
+        request = self.input_processor.process(request_id, prompt, params, priority=priority, tenant=tenant,
+                                               lora_request=lora_request)
         with self._lock:
             if self._dead_reason is not None:  # died since generate() looked: nobody would answer
                 raise EngineDeadError(f"the engine is not running ({self._dead_reason})")

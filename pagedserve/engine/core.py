@@ -18,6 +18,9 @@ from pagedserve.core.scheduler import Scheduler
 from pagedserve.engine.core_output import CoreInfo, EngineCoreOutput, QueueFullError
 from pagedserve.executor.model_runner import ModelRunner
 from pagedserve.loader.model_loader import LoadedModel, load_model
+from pagedserve.lora.manager import LoRAManager
+from pagedserve.lora.request import LoRARequest
+from pagedserve.lora.targets import lora_shapes
 from pagedserve.metrics.stats import EngineStats
 
 logger = logging.getLogger(__name__)
@@ -27,7 +30,11 @@ class EngineCore:
     def __init__(self, config: EngineConfig, loaded: Optional[LoadedModel] = None) -> None:
         self.config = config
         self.loaded = loaded or load_model(config.model_config)
-        self.runner = ModelRunner(self.loaded, config.cache_config)
+        lora_config = config.lora_config
+        self.lora_manager: Optional[LoRAManager] = None
+        if lora_config.enable_lora:
+            self.lora_manager = LoRAManager(lora_config, lora_shapes(self.loaded.model), self.loaded.dtype)
+        self.runner = ModelRunner(self.loaded, config.cache_config, self.lora_manager)
         block_size = config.cache_config.block_size
         self.kv_cache_manager = KVCacheManager(self.runner.num_blocks, block_size,
                                                config.cache_config.enable_prefix_caching)
@@ -37,7 +44,8 @@ class EngineCore:
             # Without chunking a whole sequence (a prompt, or one resumed after preemption) must fit one step.
             raise ValueError(f"max_num_batched_tokens={scheduler_config.max_num_batched_tokens} is smaller than "
                              f"max_model_len={max_model_len}; with chunked prefill off it must be at least that")
-        self.scheduler = Scheduler(scheduler_config, self.kv_cache_manager)
+        self.scheduler = Scheduler(scheduler_config, self.kv_cache_manager,
+                                   max_loras=lora_config.max_loras if lora_config.enable_lora else 0)
         self.info = CoreInfo(max_model_len, self.loaded.hf_config.vocab_size, self.loaded.eos_token_ids,
                              self.runner.num_blocks, block_size, self.runner.bytes_per_block)
         logger.info("KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB); max_model_len=%d",
@@ -58,8 +66,9 @@ class EngineCore:
     # -- requests ----------------------------------------------------------------------------------------
 
     def add_requests(self, children: list[Request], max_num_waiting: Optional[int] = None) -> None:
-        """Queue the children of one request, all or none. Raises ValueError when one can never run, and
-        QueueFullError when `max_num_waiting` would be exceeded."""
+        """Queue the children of one request, all or none. Raises ValueError when one can never run (its
+        LoRA adapter, loaded here when it is not yet, cannot be served included), and QueueFullError when
+        `max_num_waiting` would be exceeded."""
         waiting = self.scheduler.num_waiting
         if max_num_waiting is not None and waiting + len(children) > max_num_waiting:
             raise QueueFullError(f"{waiting} requests are waiting to be scheduled; the limit is "
@@ -67,6 +76,7 @@ class EngineCore:
         added = []
         try:
             for child in children:
+                self._bind_lora(child)
                 self.scheduler.add_request(child)
                 added.append(child.request_id)
         except ValueError:
@@ -80,6 +90,50 @@ class EngineCore:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
+
+    # -- LoRA adapters -----------------------------------------------------------------------------------
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load and check an adapter now: True when it was loaded, False when it already was. ValueError
+        when it cannot be served (naming it and why), when its name or id is another loaded adapter's, or
+        when LoRA is off."""
+        if not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"add_lora takes a LoRARequest, got {type(lora_request).__name__}")
+        return self._lora_manager_or_raise().add(lora_request, self._loras_in_use())
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Unload the adapter with this id: True when it was loaded, False when it was not. An adapter that
+        queued or running requests use is not removed: that is a ValueError (abort them or let them finish
+        first), so no request ever changes weights half-way. A later request naming the adapter loads it
+        again, from its path, as a new load that shares no prefix-cache blocks with the old one."""
+        if self.lora_manager is None:
+            return False
+        removed = self.lora_manager.remove(lora_int_id, self._loras_in_use())
+        if removed is not None:
+            self.scheduler.lora_slots.forget(removed.generation)
+        return removed is not None
+
+    def list_loras(self) -> list[LoRARequest]:
+        """The adapters loaded now (least recently used first)."""
+        return [] if self.lora_manager is None else self.lora_manager.list()
+
+    def _lora_manager_or_raise(self) -> LoRAManager:
+        if self.lora_manager is None:
+            raise ValueError("LoRA adapters need the engine started with enable_lora=True (--enable-lora)")
+        return self.lora_manager
+
+    def _bind_lora(self, request: Request) -> None:
+        """Tie a request to the current load of its adapter, loading it first when needed. A request naming
+        a loaded adapter's name (or id) with another id (or name or path) reloads it when no request uses the
+        old one, and is refused (ValueError) while one does."""
+        if request.lora_request is None:
+            return
+        adapter = self._lora_manager_or_raise().get_or_load(request.lora_request, self._loras_in_use())
+        request.lora_generation = adapter.generation
+
+    def _loras_in_use(self) -> set[int]:
+        """The adapter loads that queued or running requests hold (never evicted or removed)."""
+        return {r.lora_generation for r in self.scheduler.requests.values() if r.lora_generation is not None}
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()
@@ -99,6 +153,13 @@ class EngineCore:
 
     def stats(self) -> EngineStats:
         scheduler, kv = self.scheduler, self.kv_cache_manager
+        lora = self.lora_manager is not None
         return EngineStats(scheduler.num_running, scheduler.num_waiting, kv.usage(), scheduler.num_preemptions_total,
                            kv.prefix_cache_queries, kv.prefix_cache_hits, len(kv.req_to_blocks),
-                           kv.num_free_blocks, kv.num_blocks)
+                           kv.num_free_blocks, kv.num_blocks, _adapter_names(scheduler.running) if lora else (),
+                           _adapter_names(scheduler.waiting) if lora else ())
+
+
+def _adapter_names(requests) -> tuple[str, ...]:
+    """The distinct LoRA adapter names among `requests`, sorted (vLLM's lora_requests_info labels)."""
+    return tuple(sorted({r.lora_request.lora_name for r in requests if r.lora_request is not None}))

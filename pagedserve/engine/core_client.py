@@ -76,12 +76,13 @@ class EngineCoreClient:
             except (BrokenPipeError, ConnectionResetError, OSError):
                 return  # the reader sees the closed pipe and reports it
 
-    def call(self, name: str, timeout: Optional[float] = 10.0):
-        """Run a core method (core_proc.CALLABLE) between steps and return its result."""
+    def call(self, name: str, timeout: Optional[float] = 10.0, args: tuple = ()):
+        """Run a core method (core_proc.CALLABLE) with `args` between steps and return its result (or raise
+        the exception it raised)."""
         future: Future = Future()
         call_id = next(self._call_ids)
         self._calls[call_id] = future
-        self.send(("call", call_id, name))
+        self.send(("call", call_id, name, args))
         if self._dead and self._calls.pop(call_id, None) is not None and not future.done():
             future.set_exception(RuntimeError("the engine core is not running"))
         return future.result(timeout)

@@ -5,7 +5,7 @@
     CoreClient reader thread   <----pickled---- ("outputs", [EngineCoreOutput], EngineStats, rejections)
 
 Messages in: ("add", parent_id, [Request], max_num_waiting), ("abort", [child ids]),
-("stop", child_id, stop_string), ("call", call_id, method name), ("shutdown",).
+("stop", child_id, stop_string), ("call", call_id, method name, args), ("shutdown",).
 Messages out: ("ready", CoreInfo) or ("failed", traceback text) once, then ("outputs", outputs, stats,
 rejections) after every step or rejected add (rejections: [(parent_id, exception)]) and ("reply", call_id,
 value or exception). The core never waits on its client: it sleeps on the pipe only when it has nothing to
@@ -25,7 +25,7 @@ from pagedserve.core.request import RequestStatus
 
 logger = logging.getLogger(__name__)
 
-CALLABLE = ("reset_prefix_cache", "stats")
+CALLABLE = ("reset_prefix_cache", "stats", "add_lora", "remove_lora", "list_loras")
 """EngineCore methods a front end may call by name."""
 
 
@@ -76,11 +76,11 @@ def _apply(core, conn: Connection, message: tuple, rejections: list) -> None:
     elif kind == "stop":
         core.finish_requests([message[1]], RequestStatus.FINISHED_STOPPED, stop_reason=message[2])
     elif kind == "call":
-        _, call_id, name = message
+        _, call_id, name, args = message
         try:
             if name not in CALLABLE:
                 raise ValueError(f"the engine core has no callable {name!r}")
-            reply = getattr(core, name)()
+            reply = getattr(core, name)(*args)
         except Exception as e:  # noqa: BLE001 - raised again on the caller's side
             reply = e
         conn.send_bytes(pickle.dumps(("reply", call_id, reply), pickle.HIGHEST_PROTOCOL))

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Optional, Union
 
 from pagedserve.core.request import Request
+from pagedserve.lora.request import LoRARequest
 from pagedserve.sampling_params import SamplingParams
 
 PromptType = Union[str, dict, list[int]]
@@ -33,8 +34,10 @@ class ProcessedRequest:
 
 class InputProcessor:
     def __init__(self, tokenizer, vocab_size: int, max_model_len: int, eos_token_ids: frozenset[int],
-                 scheduling_policy: str = "fcfs") -> None:
+                 scheduling_policy: str = "fcfs", enable_lora: Optional[bool] = None) -> None:
+        """`enable_lora` False refuses requests with a LoRA adapter here; None leaves that to the core."""
         self.tokenizer = tokenizer
+        self.enable_lora = enable_lora
         self.scheduling_policy = scheduling_policy
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
@@ -80,12 +83,23 @@ class InputProcessor:
                 f"request {request_id}: prompt has {num_prompt_tokens} tokens, which leaves no room "
                 f"to generate within max_model_len={self.max_model_len}")
 
+    def _check_lora_request(self, lora_request: Optional[LoRARequest]) -> None:
+        if lora_request is None:
+            return
+        if not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}")
+        if self.enable_lora is False:
+            raise ValueError(f"lora_request {lora_request.lora_name!r} needs the engine started with "
+                             "enable_lora=True (--enable-lora)")
+
     def process(self, request_id: str, prompt: PromptType, params: Optional[SamplingParams] = None,
                 arrival_time: Optional[float] = None, cache_salt: Optional[str] = None, priority: int = 0,
-                tenant: Optional[str] = None) -> ProcessedRequest:
+                tenant: Optional[str] = None, lora_request: Optional[LoRARequest] = None) -> ProcessedRequest:
         """Check and tokenize one request; n > 1 becomes n children with ids "{i}_{request_id}" and seeds
         params.child(i). `cache_salt` (also read from a prompt dict's "cache_salt") isolates prefix caching;
-        `priority` (lower runs first) and `tenant` are for the scheduling policy."""
+        `priority` (lower runs first) and `tenant` are for the scheduling policy; `lora_request` picks a
+        LoRA adapter (None: the base model), which the core loads and checks on admission."""
+        self._check_lora_request(lora_request)
         if cache_salt is None and isinstance(prompt, dict):
             cache_salt = prompt.get("cache_salt")
         if cache_salt is not None and not isinstance(cache_salt, str):
@@ -105,6 +119,7 @@ class InputProcessor:
         arrival_time = time.time() if arrival_time is None else arrival_time
         child_ids = [request_id] if params.n == 1 else [f"{i}_{request_id}" for i in range(params.n)]
         children = [Request(child_id, token_ids, params if params.n == 1 else params.child(i), self.eos_token_ids,
-                            arrival_time=arrival_time, cache_salt=cache_salt, priority=priority, tenant=tenant)
+                            arrival_time=arrival_time, cache_salt=cache_salt, priority=priority, tenant=tenant,
+                            lora_request=lora_request)
                     for i, child_id in enumerate(child_ids)]
         return ProcessedRequest(request_id, text, token_ids, params, arrival_time, children)

@@ -11,6 +11,7 @@ from pagedserve.core.request import RequestStatus
 from pagedserve.engine.core import EngineCore
 from pagedserve.engine.input_processor import InputProcessor, PromptType
 from pagedserve.engine.output_processor import OutputProcessor
+from pagedserve.lora.request import LoRARequest
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
 
@@ -30,7 +31,8 @@ class LLMEngine:
         self.tokenizer = self.loaded.tokenizer
         info = self.core.info
         self.input_processor = InputProcessor(self.tokenizer, info.vocab_size, info.max_model_len,
-                                              info.eos_token_ids, config.scheduler_config.scheduling_policy)
+                                              info.eos_token_ids, config.scheduler_config.scheduling_policy,
+                                              config.lora_config.enable_lora)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
 
@@ -62,21 +64,35 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: PromptType, params: Optional[SamplingParams] = None,
                     stream: bool = False, arrival_time: Optional[float] = None,
-                    cache_salt: Optional[str] = None, priority: int = 0, tenant: Optional[str] = None) -> None:
+                    cache_salt: Optional[str] = None, priority: int = 0, tenant: Optional[str] = None,
+                    lora_request: Optional[LoRARequest] = None) -> None:
         """Queue a prompt. n > 1 becomes n child requests whose outputs come back together.
 
         `cache_salt` (vLLM's name; also read from a prompt dict's "cache_salt") isolates prefix caching:
         requests only share cached blocks with requests of the same salt. `priority` (lower runs first) and
-        `tenant` matter under the `priority` and `fair` scheduling policies.
-        Raises ValueError (and queues nothing) when the prompt can never fit.
+        `tenant` matter under the `priority` and `fair` scheduling policies. `lora_request` runs the request
+        with that LoRA adapter (engine started with enable_lora; loaded on first use).
+        Raises ValueError (and queues nothing) when the prompt can never fit or the adapter cannot be served.
         """
         if request_id in self.output_processor.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         request = self.input_processor.process(request_id, prompt, params, arrival_time, cache_salt, priority,
-                                               tenant)
+                                               tenant, lora_request)
         self.core.add_requests(request.children)
         self.output_processor.add_request(request_id, request.prompt, request.prompt_token_ids, request.params,
                                           request.child_ids, stream, request.arrival_time)
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load and check an adapter now (see EngineCore.add_lora)."""
+        return self.core.add_lora(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Unload an adapter; ValueError while requests use it (see EngineCore.remove_lora)."""
+        return self.core.remove_lora(lora_int_id)
+
+    def list_loras(self) -> list[LoRARequest]:
+        """The adapters loaded now."""
+        return self.core.list_loras()
 
     def reset_prefix_cache(self) -> bool:
         """Drop all cached prefix blocks (e.g. between benchmark runs); False while requests hold blocks."""

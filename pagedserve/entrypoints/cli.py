@@ -40,6 +40,15 @@ def _run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _lora_module(text: str):
+    from pagedserve.entrypoints.openai.lora_modules import parse_lora_module
+
+    try:
+        return parse_lora_module(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def _add_serve(subparsers) -> None:
     p = subparsers.add_parser("serve", help="Run the OpenAI-compatible HTTP server (default model when --model is "
                               "omitted).", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -70,6 +79,11 @@ def _add_serve(subparsers) -> None:
     p.add_argument("--shutdown-timeout", type=float, default=10.0,
                    help="On SIGTERM/SIGINT: seconds in-flight requests may take to finish before they are aborted.")
     p.add_argument("--disable-log-requests", action="store_true", help="Do not log each request.")
+    p.add_argument("--lora-modules", nargs="+", default=None, type=_lora_module, metavar="MODULE",
+                   help="LoRA adapters to serve (needs --enable-lora), each `name=path` or JSON "
+                        "'{\"name\": ..., \"path\": ...}'; a request selects one by putting its name in `model`.")
+    p.add_argument("--allow-runtime-lora-updating", action="store_true",
+                   help="Enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter (admin keys only).")
     add_engine_args(p)
     p.set_defaults(func=_run_serve)
 

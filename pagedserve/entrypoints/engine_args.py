@@ -6,9 +6,9 @@ import argparse
 import dataclasses
 import typing
 
-from pagedserve.config import DTYPE_CHOICES, SCHEDULING_POLICIES, CacheConfig, ModelConfig, SchedulerConfig, config_field_help
+from pagedserve.config import DTYPE_CHOICES, ENGINE_CONFIGS, SCHEDULING_POLICIES, config_field_help
 
-_CONFIGS = (ModelConfig, CacheConfig, SchedulerConfig)
+_CONFIGS = ENGINE_CONFIGS
 _CHOICES = {"dtype": DTYPE_CHOICES, "scheduling_policy": SCHEDULING_POLICIES}
 _SKIP = {("SchedulerConfig", "max_model_len")}  # set through ModelConfig's flag
 

@@ -18,6 +18,9 @@ from pagedserve.executor.cpu_allocator import huge_page_zeros, keep_freed_memory
 from pagedserve.executor.forward_context import set_forward_context
 from pagedserve.layers.sampler import Sampler, SamplingMetadata
 from pagedserve.loader.model_loader import LoadedModel
+from pagedserve.lora.manager import LoRAManager
+from pagedserve.lora.mapping import LoRAMapping
+from pagedserve.lora.model_slots import ModelLoRASlots
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +38,10 @@ class ModelRunnerOutput:
 
 
 class ModelRunner:
-    def __init__(self, loaded: LoadedModel, cache_config: CacheConfig) -> None:
+    def __init__(self, loaded: LoadedModel, cache_config: CacheConfig,
+                 lora_manager: Optional[LoRAManager] = None) -> None:
+        """With `lora_manager`, the model's linears get max_loras LoRA slots, filled from its adapters as
+        the scheduler assigns them (SchedulerOutput.lora_slots)."""
         self.model = loaded.model
         self.device = loaded.device
         if self.device.type == "cpu":
@@ -60,6 +66,14 @@ class ModelRunner:
             if packed:
                 logger.info("packed %d bf16 weight matrices for small-batch decode in %.2f s", packed,
                             time.perf_counter() - start)
+        self.lora_manager = lora_manager
+        self.lora_slots: Optional[ModelLoRASlots] = None
+        if lora_manager is not None:
+            config = lora_manager.config
+            self.lora_slots = ModelLoRASlots(self.model, config.max_loras, config.max_lora_rank, self.dtype,
+                                             self.device)
+            logger.info("LoRA: %d slots of rank up to %d (%.1f MiB)", config.max_loras, config.max_lora_rank,
+                        self.lora_slots.num_bytes / 2**20)
 
     # -- KV-cache sizing ---------------------------------------------------------------------------------
 
@@ -92,9 +106,10 @@ class ModelRunner:
         if out.is_empty:
             return ModelRunnerOutput()
         # Single-token items first: they form the batched decode group at the front of the token batch.
-        items = sorted(out.scheduled, key=lambda s: s.num_tokens != 1)
+        items = sorted(out.scheduled, key=_row_order(out.lora_slots))
         input_ids, positions, meta, sample_rows = self._prepare_inputs(items)
-        with set_forward_context(meta):
+        lora_mapping = self._lora_mapping(items, out.lora_slots) if out.lora_slots else None
+        with set_forward_context(meta, lora_mapping):
             hidden = self.model(input_ids, positions)
         if not sample_rows:
             return ModelRunnerOutput()
@@ -131,6 +146,14 @@ class ModelRunner:
                                  block_size=block_size, prefills=prefills, decode=decode,
                                  per_token=per_token if self.device.type == "cpu" else None)
         return self._tensor(token_ids), positions_tensor, meta, sample_rows
+
+    def _lora_mapping(self, items: list[ScheduledRequest], assignment: dict[int, int]) -> Optional[LoRAMapping]:
+        """Fill the slots this step needs, then map its rows (ordered by _row_order) to slots."""
+        self.lora_slots.activate(assignment, self.lora_manager.adapter)
+        row_slots = []
+        for item in items:
+            row_slots += [assignment.get(item.request.lora_generation, -1)] * item.num_tokens
+        return LoRAMapping(row_slots) if max(row_slots) >= 0 else None
 
     def _per_token_batch(self, items: list[ScheduledRequest], positions: torch.Tensor) -> DecodeBatch:
         """Each token attends its sequence's cache up to its own position (AttentionMetadata.per_token)."""
@@ -199,6 +222,15 @@ class ModelRunner:
                 entries += [(ids[i][k], values[i][k], k) for k in range(1, n + 1)]
                 result.logprobs[item.request.request_id] = entries
         return result
+
+
+def _row_order(lora_slots: dict[int, int]):
+    """Sort key of a step's items: decodes first (the batched decode group). With LoRA, each group is also
+    ordered by adapter slot (base-model rows first), so that each slot's rows are one run of the batch (two
+    when it has decodes and prefills) and its LoRA work a slice."""
+    if not lora_slots:
+        return lambda s: s.num_tokens != 1
+    return lambda s: (s.num_tokens != 1, lora_slots.get(s.request.lora_generation, -1))
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

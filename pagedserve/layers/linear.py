@@ -1,23 +1,32 @@
-"""nn.Linear with a second copy of its weight laid out for small batches on CPU (kernels/skinny_gemm.py)."""
+"""nn.Linear with a second copy of its weight laid out for small batches on CPU (kernels/skinny_gemm.py),
+and the model's one LoRA hook: an optional reference to its LoRA slots (lora/layers.py)."""
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedserve.executor.forward_context import get_lora_mapping
 from pagedserve.kernels import skinny_gemm
+
+if TYPE_CHECKING:
+    from pagedserve.lora.layers import LinearLoRA
 
 
 class Linear(nn.Linear):
     """Computes like nn.Linear. After `pack_for_small_batches()` (CPU, bfloat16, where the kernel builds),
     inputs of at most skinny_gemm.MAX_ROWS rows use the packed copy: a decode step with a few sequences is
     then bound by reading the weights once, not by the BLAS re-laying them out. Call it again if the weight
-    changes."""
+    changes.
+
+    With LoRA on, `lora` holds the stacked adapter weights of every slot: when the step has rows with an
+    adapter, their delta is added to the base output, which is computed exactly as without LoRA."""
 
     packed: Optional[skinny_gemm.PackedWeight] = None
+    lora: Optional["LinearLoRA"] = None
 
     def pack_for_small_batches(self, out: Optional[torch.Tensor] = None) -> bool:
         """Pack the weight (into `out`, sized by PackedWeight.packed_shape, when given)."""
@@ -26,5 +35,11 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None and x.dim() == 2 and x.shape[0] <= skinny_gemm.MAX_ROWS:
-            return skinny_gemm.linear(x, self.packed, self.bias)
-        return F.linear(x, self.weight, self.bias)
+            out = skinny_gemm.linear(x, self.packed, self.bias)
+        else:
+            out = F.linear(x, self.weight, self.bias)
+        if self.lora is not None:
+            mapping = get_lora_mapping()
+            if mapping is not None:
+                self.lora.add_delta(x, out, mapping)
+        return out

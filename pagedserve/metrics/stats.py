@@ -26,6 +26,10 @@ class EngineStats:
     num_requests_holding_blocks: int = 0
     num_free_blocks: int = 0
     num_blocks: int = 0
+    running_lora_adapters: tuple[str, ...] = ()
+    """Names of the LoRA adapters that running requests use (vLLM's lora_requests_info gauge)."""
+    waiting_lora_adapters: tuple[str, ...] = ()
+    """Names of the LoRA adapters that waiting requests use."""
 
 
 @dataclass(frozen=True)

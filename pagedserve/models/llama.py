@@ -14,7 +14,7 @@ from torch import nn
 
 from pagedserve.attention.torch_paged import paged_attention
 from pagedserve.executor.cpu_allocator import huge_page_zeros
-from pagedserve.executor.forward_context import get_attention_metadata
+from pagedserve.executor.forward_context import get_attention_metadata, get_lora_mapping
 from pagedserve.kernels import fused_ops, skinny_gemm
 from pagedserve.kernels.decode_layers import DecodeLayers
 from pagedserve.layers.activation import silu_and_mul
@@ -144,7 +144,9 @@ class LlamaForCausalLM(nn.Module):
         else:  # gathered once per step, shared by all layers
             rope = RopeInputs(positions, self.rotary, *self.rotary.cos_sin(positions, hidden.dtype))
         meta = get_attention_metadata()
-        if self._decode_layers is not None and DecodeLayers.runs(hidden.shape[0], meta):
+        # The C layer loop calls no Python Linear, so it cannot add LoRA deltas: steps with LoRA rows skip it.
+        if (self._decode_layers is not None and DecodeLayers.runs(hidden.shape[0], meta)
+                and get_lora_mapping() is None):
             hidden, residual = self._decode_layers.forward(hidden, positions, self.rotary.cos, self.rotary.sin, meta)
         else:
             residual = None

@@ -16,7 +16,7 @@ import time
 from typing import Optional
 
 from fastapi import FastAPI
-from fastapi.responses import Response
+from fastapi.responses import PlainTextResponse, Response
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
@@ -25,8 +25,10 @@ import pagedserve
 from pagedserve.engine.async_llm import AsyncLLM
 from pagedserve.entrypoints.openai.errors import OpenAIError, error_response, from_validation_error
 from pagedserve.entrypoints.openai.gate import ADMIN_ROUTES, OPEN_ROUTES, ROUTES, Gate  # noqa: F401 - re-exported
+from pagedserve.entrypoints.openai.lora_modules import LoRAModules
 from pagedserve.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                                    TokenizeRequest)
+                                                    LoadLoRAAdapterRequest, TokenizeRequest,
+                                                    UnloadLoRAAdapterRequest)
 from pagedserve.entrypoints.openai.serving_base import ClientDisconnected, ServerConfig
 from pagedserve.entrypoints.openai.serving_chat import ServingChat
 from pagedserve.entrypoints.openai.serving_completion import ServingCompletion
@@ -97,7 +99,11 @@ def build_app(async_llm: AsyncLLM, args, metrics: Optional[PrometheusStatLogger]
     is what tests move) may be given."""
     config = server_config(args)
     tenants = tenants or tenant_store(config)
-    metrics = metrics or PrometheusStatLogger(config.served_model_names[0], max_tenants=config.max_metric_tenants)
+    enable_lora = bool(getattr(args, "enable_lora", False))
+    metrics = metrics or PrometheusStatLogger(config.served_model_names[0], max_tenants=config.max_metric_tenants,
+                                              max_loras=getattr(args, "max_loras", 1) if enable_lora else None)
+    lora_modules = LoRAModules(async_llm, config.served_model_names, enable_lora)
+    lora_modules.load_at_start(list(getattr(args, "lora_modules", None) or []))
     rate_limiter = rate_limiter or RateLimiter()
     async_llm.stat_loggers.append(metrics)
     app = FastAPI(title="pagedserve", version=pagedserve.__version__, docs_url=None, redoc_url=None,
@@ -105,9 +111,12 @@ def build_app(async_llm: AsyncLLM, args, metrics: Optional[PrometheusStatLogger]
     app.state.async_llm, app.state.config, app.state.metrics = async_llm, config, metrics
     app.state.tenants, app.state.rate_limiter, app.state.reload_keys = tenants, rate_limiter, tenants.reload
     _add_error_handlers(app)
-    _add_info_routes(app, async_llm, args, config, metrics)
-    _add_generation_routes(app, async_llm, config)
+    app.state.lora_modules = lora_modules
+    _add_info_routes(app, async_llm, args, config, metrics, lora_modules)
+    _add_generation_routes(app, async_llm, config, lora_modules, metrics)
     _add_admin_routes(app, async_llm)
+    if getattr(args, "allow_runtime_lora_updating", False):
+        _add_lora_routes(app, config, lora_modules)
     app.add_middleware(Gate, max_body_bytes=config.max_body_bytes, metrics=metrics, tenants=tenants,
                        rate_limiter=rate_limiter)
     return app
@@ -133,7 +142,7 @@ def _add_error_handlers(app: FastAPI) -> None:
 
 
 def _add_info_routes(app: FastAPI, async_llm: AsyncLLM, args, config: ServerConfig,
-                     metrics: PrometheusStatLogger) -> None:
+                     metrics: PrometheusStatLogger, lora_modules: LoRAModules) -> None:
     started = int(time.time())
 
     @app.get("/health")
@@ -155,12 +164,15 @@ def _add_info_routes(app: FastAPI, async_llm: AsyncLLM, args, config: ServerConf
         return {"object": "list", "data": [
             {"id": name, "object": "model", "created": started, "owned_by": "pagedserve",
              "root": getattr(args, "model", None) or config.served_model_names[0],
-             "max_model_len": async_llm.max_model_len} for name in config.served_model_names]}
+             "max_model_len": async_llm.max_model_len} for name in config.served_model_names]
+            + lora_modules.model_cards(started)}
 
 
-def _add_generation_routes(app: FastAPI, async_llm: AsyncLLM, config: ServerConfig) -> None:
-    completions = ServingCompletion(async_llm, config)
-    chat = ServingChat(async_llm, config)
+def _add_generation_routes(app: FastAPI, async_llm: AsyncLLM, config: ServerConfig, lora_modules: LoRAModules,
+                           metrics: PrometheusStatLogger) -> None:
+    completions = ServingCompletion(async_llm, config, lora_modules)
+    chat = ServingChat(async_llm, config, lora_modules)
+    completions.lora_metrics = chat.lora_metrics = metrics.lora
 
     @app.post("/v1/completions")
     async def create_completion(request: Request):
@@ -206,3 +218,19 @@ def _add_admin_routes(app: FastAPI, async_llm: AsyncLLM) -> None:
             raise OpenAIError("the prefix cache was not reset: running requests hold cached blocks; retry when "
                               "they have finished", 409, code="prefix_cache_in_use")
         return Response(status_code=200)
+
+
+def _add_lora_routes(app: FastAPI, config: ServerConfig, lora_modules: LoRAModules) -> None:
+    """vLLM's runtime adapter routes (with --allow-runtime-lora-updating; admin keys only, see ADMIN_ROUTES)."""
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(request: Request):
+        body = await _read_json(request, config, LoadLoRAAdapterRequest)
+        await lora_modules.load(body.lora_name, body.lora_path)
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request):
+        body = await _read_json(request, config, UnloadLoRAAdapterRequest)
+        await lora_modules.unload(body.lora_name)
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")

@@ -22,11 +22,11 @@ from pagedserve.tenants.registry import ANONYMOUS, TenantStore
 from pagedserve.tenants.tenant import Tenant
 
 ROUTES = ("/health", "/version", "/metrics", "/tokenize", "/detokenize", "/v1/models", "/v1/completions",
-          "/v1/chat/completions", "/reset_prefix_cache")
+          "/v1/chat/completions", "/reset_prefix_cache", "/v1/load_lora_adapter", "/v1/unload_lora_adapter")
 """Routes counted under their own name in http_requests_total (anything else is "other")."""
 OPEN_ROUTES = ("/health",)
 """Routes that never need a key."""
-ADMIN_ROUTES = ("/reset_prefix_cache",)
+ADMIN_ROUTES = ("/reset_prefix_cache", "/v1/load_lora_adapter", "/v1/unload_lora_adapter")
 """Routes for admin-scope keys only (403 for a user key). Every admin route joins this list."""
 
 

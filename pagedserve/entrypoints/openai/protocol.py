@@ -92,3 +92,13 @@ class TokenizeRequest(_Body):
 class DetokenizeRequest(_Body):
     model: Optional[str] = None
     tokens: list[int]
+
+
+class LoadLoRAAdapterRequest(_Body):
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+
+
+class UnloadLoRAAdapterRequest(_Body):
+    lora_name: str = Field(min_length=1)
+    lora_int_id: Optional[int] = None  # vLLM's body may carry it; the name decides here

@@ -51,9 +51,13 @@ SSE_DONE = "data: [DONE]\n\n"
 
 
 class ServingBase:
-    def __init__(self, async_llm: AsyncLLM, config: ServerConfig) -> None:
+    def __init__(self, async_llm: AsyncLLM, config: ServerConfig, lora_modules=None) -> None:
         self.async_llm = async_llm
         self.config = config
+        self.lora_modules = lora_modules
+        """The served LoRA adapters (lora_modules.LoRAModules), or None."""
+        self.lora_metrics = None
+        """Per-adapter counters (metrics.prometheus.LoRAMetrics), or None."""
         # The event loop's tokenizer (AsyncLLM's output thread detokenizes with another copy).
         self.tokenizer = async_llm.input_processor.tokenizer
         self.max_model_len = async_llm.max_model_len
@@ -62,13 +66,19 @@ class ServingBase:
     # -- checks ------------------------------------------------------------------------------------------------
 
     def model_name(self, requested: Optional[str]) -> str:
+        """The served name a request's `model` means (a base model name or a LoRA adapter's); 404 otherwise."""
         if requested is None:
             return self.config.served_model_names[0]
-        if requested not in self.config.served_model_names:
-            raise OpenAIError(f"The model `{requested}` does not exist. Served: "
-                              f"{', '.join(self.config.served_model_names)}", 404, param="model",
-                              code="model_not_found")
+        lora = self.lora_modules
+        if requested not in self.config.served_model_names and (lora is None or lora.get(requested) is None):
+            served = self.config.served_model_names + (lora.names if lora is not None else [])
+            raise OpenAIError(f"The model `{requested}` does not exist. Served: {', '.join(served)}", 404,
+                              param="model", code="model_not_found")
         return requested
+
+    def lora_request(self, model: str):
+        """The LoRARequest a served name selects (None: the base model)."""
+        return self.lora_modules.get(model) if self.lora_modules is not None else None
 
     def need_tokenizer(self) -> None:
         if self.tokenizer is None:
@@ -149,18 +159,23 @@ class ServingBase:
 
     def streams(self, ctx: RequestContext, prompts: list[tuple[Optional[str], list[int]]],
                 params: list[SamplingParams], priority: int = 0, cache_salt: Optional[str] = None,
-                cached_tokens: Optional[dict[int, int]] = None) -> AsyncIterator[tuple[int, RequestOutput]]:
+                cached_tokens: Optional[dict[int, int]] = None,
+                model: Optional[str] = None) -> AsyncIterator[tuple[int, RequestOutput]]:
         """One engine request per prompt (with its params), merged into one stream of (prompt index, delta).
         The tenant's token budget is reserved first (OpenAIError 429 when it has not enough; nothing reaches the
         engine then) and settled when the stream ends. `cached_tokens` (prompt index -> prompt tokens served
         from the prefix cache) is filled as it runs."""
         ctx.reserve_tokens(sum(len(ids) + p.max_tokens * p.n for (_, ids), p in zip(prompts, params)))
         request_id = ctx.request_id
+        lora_request = self.lora_request(model) if model is not None else None
         gens = [self.async_llm.generate({"prompt": text, "prompt_token_ids": ids, "cache_salt": cache_salt}, p,
                                         request_id if len(prompts) == 1 else f"{request_id}-{i}",
-                                        priority=priority, tenant=ctx.tenant.name)
+                                        priority=priority, tenant=ctx.tenant.name, lora_request=lora_request)
                 for i, ((text, ids), p) in enumerate(zip(prompts, params))]
-        metered = _metered(merge_streams(gens), ctx, [len(ids) for _, ids in prompts])
+        on_done = None
+        if lora_request is not None and self.lora_metrics is not None:
+            on_done = lambda generated: self.lora_metrics.count(lora_request.lora_name, generated)  # noqa: E731
+        metered = _metered(merge_streams(gens), ctx, [len(ids) for _, ids in prompts], on_done)
         return metered if cached_tokens is None else _noting_cached_tokens(metered, cached_tokens)
 
 
@@ -172,9 +187,11 @@ def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: dict[i
 
 
 async def _metered(stream: AsyncIterator[tuple[int, RequestOutput]], ctx: RequestContext,
-                   prompt_lengths: list[int]) -> AsyncIterator[tuple[int, RequestOutput]]:
+                   prompt_lengths: list[int],
+                   on_done: Optional[Callable[[int], None]] = None) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Counts the tokens a request really used (the prompts that produced output, and every generated token)
-    and settles the tenant's reservation with them when the stream ends: finished, failed or abandoned."""
+    and settles the tenant's reservation with them when the stream ends: finished, failed or abandoned;
+    `on_done(generated tokens)` is called then too (the per-adapter counters)."""
     started: set[int] = set()
     generated = 0
     try:
@@ -184,6 +201,8 @@ async def _metered(stream: AsyncIterator[tuple[int, RequestOutput]], ctx: Reques
             yield i, out
     finally:
         ctx.finish_tokens(sum(prompt_lengths[i] for i in started), generated)
+        if on_done is not None:
+            on_done(generated)
         await stream.aclose()
 
 

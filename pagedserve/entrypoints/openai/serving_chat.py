@@ -65,10 +65,11 @@ class ServingChat(ServingBase):
         ctx = request_context(http)
         priority = self.request_priority(ctx, body.priority)
         if self.config.log_requests:
-            logger.info("request %s (tenant %s, priority %d): %d prompt tokens, %s", ctx.request_id,
-                        ctx.tenant.name, priority, len(ids), params)
+            logger.info("request %s (tenant %s, model %s, priority %d): %d prompt tokens, %s", ctx.request_id,
+                        ctx.tenant.name, model, priority, len(ids), params)
         cached: dict[int, int] = {}
-        stream = self.streams(ctx, [(text, ids)], [params], priority, self.cache_salt(ctx, body.cache_salt), cached)
+        stream = self.streams(ctx, [(text, ids)], [params], priority, self.cache_salt(ctx, body.cache_salt), cached,
+                              model)
         choices = [_Choice() for _ in range(body.n)]
         head = {"id": f"chatcmpl-{ctx.request_id}", "created": self.created(), "model": model}
         usage = lambda: usage_dict(len(ids), sum(c.num_tokens for c in choices), cached)  # noqa: E731

@@ -44,10 +44,12 @@ class ServingCompletion(ServingBase):
         ctx = request_context(http)
         priority = self.request_priority(ctx, body.priority)
         if self.config.log_requests:
-            logger.info("request %s (tenant %s, priority %d): %d prompt(s), %s prompt tokens, %s", ctx.request_id,
-                        ctx.tenant.name, priority, len(prompts), [len(ids) for _, ids in prompts], params[0])
+            logger.info("request %s (tenant %s, model %s, priority %d): %d prompt(s), %s prompt tokens, %s",
+                        ctx.request_id, ctx.tenant.name, model, priority, len(prompts),
+                        [len(ids) for _, ids in prompts], params[0])
         cached: dict[int, int] = {}
-        stream = self.streams(ctx, prompts, params, priority, self.cache_salt(ctx, body.cache_salt), cached)
+        stream = self.streams(ctx, prompts, params, priority, self.cache_salt(ctx, body.cache_salt), cached,
+                              model)
         n = body.n
         choices = [_Choice() for _ in range(len(prompts) * n)]
         head = {"id": f"cmpl-{ctx.request_id}", "object": "text_completion", "created": self.created(),
