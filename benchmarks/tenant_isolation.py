@@ -14,27 +14,27 @@ interactive tenant's TTFT (median, p99), the flood tenant's output tok/s and the
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
-import secrets
 import statistics
 
 from compare_serving import start_server, stop_server
 from pagedserve.benchmarks import serve
 from pagedserve.benchmarks.cpu_kind import cpu_kind
+from pagedserve.tenants.keys_file import add_tenant
+from pagedserve.tenants.tenant import Tenant, hash_key, new_key
 
 POLICIES = ("fcfs", "priority", "fair")
 
 
 def write_keys_file(path: str) -> dict[str, str]:
     """Two user tenants with fresh random keys; returns name -> key (the file holds only their hashes)."""
-    keys = {name: "ps-" + secrets.token_urlsafe(24) for name in ("flood", "interactive")}
-    priorities = {"flood": 10, "interactive": 0}
-    with open(path, "w") as f:
-        for name, key in keys.items():
-            f.write(f'[tenants.{name}]\nkey_sha256 = "{hashlib.sha256(key.encode()).hexdigest()}"\n'
-                    f'scope = "user"\npriority = {priorities[name]}\n\n')
+    if os.path.exists(path):
+        os.remove(path)
+    keys = {}
+    for name, priority in (("flood", 10), ("interactive", 0)):
+        keys[name] = new_key()
+        add_tenant(path, Tenant(name, hash_key(keys[name]), priority=priority, min_priority=priority))
     return keys
 
 

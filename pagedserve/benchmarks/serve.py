@@ -379,8 +379,7 @@ async def run_load(args, url: str, endpoint: str, model: Optional[str], requests
 
 def global_headers(args) -> Optional[dict]:
     """--api-key (or env OPENAI_API_KEY) as an Authorization header; None without one."""
-    key = getattr(args, "api_key", None) or os.environ.get("OPENAI_API_KEY")
-    return {"Authorization": f"Bearer {key}"} if key else None
+    return serve_tenants.bearer(getattr(args, "api_key", None) or os.environ.get("OPENAI_API_KEY"))
 
 
 def tenant_lanes(args, tokenizer) -> list[Lane]:

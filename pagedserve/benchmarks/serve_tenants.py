@@ -174,9 +174,14 @@ def tenant_args(args: argparse.Namespace, spec: TenantSpec, index: int) -> argpa
     return argparse.Namespace(**{**vars(args), **own, "seed": args.seed + index})
 
 
+def bearer(key: Optional[str]) -> Optional[dict[str, str]]:
+    """The Authorization header of an API key, or None without a key."""
+    return {"Authorization": f"Bearer {key}"} if key else None
+
+
 def auth_headers(spec: TenantSpec) -> Optional[dict[str, str]]:
     """The tenant's Authorization header, or None when it has no key."""
-    return {"Authorization": f"Bearer {spec.api_key}"} if spec.api_key else None
+    return bearer(spec.api_key)
 
 
 def body_fields(spec: TenantSpec) -> dict:

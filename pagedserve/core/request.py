@@ -36,6 +36,17 @@ _FINISH_REASONS = {
 }
 
 
+class RequestIdInUseError(ValueError):
+    """A request id that a request still in the engine has (the server maps it to a 400 on X-Request-Id)."""
+
+    def __init__(self, request_id: str) -> None:
+        super().__init__(f"request id {request_id!r} is already in use")
+        self.request_id = request_id
+
+    def __reduce__(self):  # it travels back from the engine-core process pickled
+        return (type(self), (self.request_id,))
+
+
 class Request:
     """One sequence to generate. A request with n > 1 reaches the core as n of these.
 

@@ -12,7 +12,7 @@ from typing import Callable, Iterable, Optional
 
 from pagedserve.config import SchedulerConfig
 from pagedserve.core.kv_cache_manager import KVCacheManager
-from pagedserve.core.request import Request, RequestStatus
+from pagedserve.core.request import Request, RequestIdInUseError, RequestStatus
 from pagedserve.core.sched_policy import make_policy
 from pagedserve.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from pagedserve.lora.slots import SlotTable
@@ -47,7 +47,7 @@ class Scheduler:
                 f"request {request.request_id}: prompt has {request.num_prompt_tokens} tokens, which leaves no room "
                 f"to generate within max_model_len={limit}")
         if request.request_id in self.requests:
-            raise ValueError(f"request id {request.request_id!r} is already in use")
+            raise RequestIdInUseError(request.request_id)
         self.requests[request.request_id] = request
         self.policy.on_add(request)
         self.waiting.push(request)

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import AsyncIterator, Callable, Optional
 
 from pagedserve.config import EngineConfig
+from pagedserve.core.request import RequestIdInUseError
 from pagedserve.engine.core_client import EngineCoreClient
 from pagedserve.engine.core_output import QueueFullError
 from pagedserve.engine.input_processor import InputProcessor, PromptType
@@ -169,7 +170,7 @@ class AsyncLLM:
             if self._dead_reason is not None:  # died since generate() looked: nobody would answer
                 raise EngineDeadError(f"the engine is not running ({self._dead_reason})")
             if request_id in self._targets:
-                raise ValueError(f"request id {request_id!r} is already in use")
+                raise RequestIdInUseError(request_id)
             self.output_processor.add_request(request_id, request.prompt, request.prompt_token_ids, request.params,
                                               request.child_ids, True, request.arrival_time)
             self._targets[request_id] = target

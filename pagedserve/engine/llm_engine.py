@@ -7,7 +7,7 @@ import logging
 from typing import Optional, Union
 
 from pagedserve.config import EngineConfig
-from pagedserve.core.request import RequestStatus
+from pagedserve.core.request import RequestIdInUseError, RequestStatus
 from pagedserve.engine.core import EngineCore
 from pagedserve.engine.input_processor import InputProcessor, PromptType
 from pagedserve.engine.output_processor import OutputProcessor
@@ -75,7 +75,7 @@ class LLMEngine:
         Raises ValueError (and queues nothing) when the prompt can never fit or the adapter cannot be served.
         """
         if request_id in self.output_processor.requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
+            raise RequestIdInUseError(request_id)
         request = self.input_processor.process(request_id, prompt, params, arrival_time, cache_salt, priority,
                                                tenant, lora_request)
         self.core.add_requests(request.children)

@@ -31,7 +31,8 @@ def reference(x: torch.Tensor, modules: dict) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rows_get_their_slots_delta_in_their_slices_and_base_rows_nothing(dtype):
+def test_rows_get_their_slots_delta_in_their_slices_and_base_rows_nothing(dtype, isa):
+    # `isa`: once per kernel level this CPU runs (bf16 slots pack for the small-batch kernel of that level).
     lora = LinearLoRA(QKV, num_slots=3, max_rank=24, dtype=dtype, device=CPU)
     adapters = {0: (20, {"q_proj": random_module(20, 32, 1), "v_proj": random_module(20, 16, 2)}),
                 2: (3, {"k_proj": random_module(3, 16, 3), "q_proj": random_module(3, 32, 4)})}

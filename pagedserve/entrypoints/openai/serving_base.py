@@ -11,6 +11,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Iterable, Optional, 
 
 from starlette.requests import Request as HTTPRequest
 
+from pagedserve.core.request import RequestIdInUseError
 from pagedserve.engine.async_llm import AsyncLLM, EngineDeadError, QueueFullError
 from pagedserve.entrypoints.openai.errors import OpenAIError, from_value_error
 from pagedserve.entrypoints.openai.request_context import REQUEST_ID_HEADER, RequestContext
@@ -345,7 +346,7 @@ def engine_error(e: Exception, param: Optional[str] = "prompt") -> OpenAIError:
     if isinstance(e, EngineDeadError):
         return OpenAIError(str(e), 503, code="engine_dead")
     if isinstance(e, ValueError):
-        if "already in use" in str(e):  # the client's X-Request-Id is the id of a request still in flight
+        if isinstance(e, RequestIdInUseError):  # the client's X-Request-Id is the id of a request in flight
             return OpenAIError(f"{REQUEST_ID_HEADER}: {e}", 400, param=REQUEST_ID_HEADER)
         return from_value_error(e) if str(e).split(" ", 1)[0] != "request" else OpenAIError(str(e), 400, param=param)
     return OpenAIError(f"internal error: {e!r}", 500)
