@@ -8,6 +8,10 @@ sequences took as long as the matmuls.
 `DecodeLayers.build(model)` returns None unless every piece has its C path here (bf16 weights packed for the
 small-batch matmul, the fused ops, the decode-attention kernel for these shapes). `runs(num_rows, meta)` says
 whether a step qualifies: decodes only (one new token per sequence), at most skinny_gemm.MAX_ROWS of them.
+
+With LoRA slots on the linears (lora/layers.py, packed for the same kernel), steps with adapter rows run here
+too (`takes_lora()`): the C loop adds each run's delta after each matmul, as LinearLoRA.add_delta does, with
+the same kernels, so those steps are also bit for bit the Python path's.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ _P, _I64, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
 
 class _Kernels(ctypes.Structure):
-    _fields_ = [(name, _P) for name in ("rms_norm", "gemm", "rotary", "attention", "swiglu")]
+    _fields_ = [(name, _P) for name in ("rms_norm", "gemm", "gemm_accumulate", "rotary", "attention", "swiglu")]
 
 
 class _Layer(ctypes.Structure):
@@ -39,11 +43,23 @@ class _Shape(ctypes.Structure):
                                           "block_size")] + [("eps", _F), ("scale", _F)]
 
 
+class _LinearLoRA(ctypes.Structure):
+    _fields_ = [("a", _P), ("b", _P), ("widths", _P), ("a_stride", _I64), ("b_stride", _I64)]
+
+
+class _LayerLoRA(ctypes.Structure):
+    _fields_ = [(name, _LinearLoRA) for name in ("qkv", "o", "gate_up", "down")]
+
+
+class _LoRAGroup(ctypes.Structure):
+    _fields_ = [(name, _I64) for name in ("slot", "start", "stop")]
+
+
 class _Step(ctypes.Structure):
     _fields_ = ([("rows", _I64), ("max_blocks", _I64)]
                 + [(name, _P) for name in ("positions", "slots", "block_tables", "context_lens", "cos_table",
-                                           "sin_table", "hidden", "residual", "scratch")]
-                + [("threads", ctypes.c_int)])
+                                           "sin_table", "hidden", "residual", "scratch", "lora", "groups")]
+                + [("num_groups", _I64), ("lora_scratch", _P), ("threads", ctypes.c_int)])
 
 
 def _address(library: ctypes.CDLL, name: str) -> int:
@@ -71,6 +87,7 @@ class DecodeLayers:
         self._model = model  # keeps the weights and caches the pointers point into alive
         scratch = library.scratch_elements(ctypes.byref(shape), skinny_gemm.MAX_ROWS)
         self._scratch = torch.empty(scratch, dtype=torch.bfloat16)
+        self._lora: Optional[tuple] = None  # (per-layer table, shrink scratch), built on the first LoRA step
 
     @staticmethod
     def build(model) -> Optional["DecodeLayers"]:
@@ -90,7 +107,7 @@ class DecodeLayers:
             return None
         ops, gemm, attention = fused_ops._lib(), skinny_gemm._lib(), cpu_decode.load()
         kernels = _Kernels(_address(ops, "rms_norm"), _address(gemm, "skinny_gemm"),
-                           _address(ops, "rotary_and_cache"), _address(attention, "decode_attention_bf16"),
+                           _address(gemm, "skinny_gemm_accumulate"), _address(ops, "rotary_and_cache"), _address(attention, "decode_attention_bf16"),
                            _address(ops, "swiglu"))
         table = (_Layer * len(layers))(*[_layer_struct(layer) for layer in layers])
         shape = _Shape(model.config.hidden_size, attn.num_heads, attn.num_kv_heads, attn.head_dim,
@@ -103,16 +120,40 @@ class DecodeLayers:
         return (num_rows <= skinny_gemm.MAX_ROWS and meta.decode is not None and not meta.prefills
                 and meta.decode.num_seqs == num_rows)
 
+    def takes_lora(self) -> bool:
+        """Whether steps with LoRA rows can run here: every linear of every layer has LoRA slots packed for
+        the small-batch kernel."""
+        if self._lora is None:
+            slots = [[layer.self_attn.qkv_proj.lora, layer.self_attn.o_proj.lora, layer.mlp.gate_up_proj.lora,
+                      layer.mlp.down_proj.lora] for layer in self._model.model.layers]
+            if any(lora is None or lora.packed_a is None for per_layer in slots for lora in per_layer):
+                return False
+            table = (_LayerLoRA * len(slots))(*[_LayerLoRA(*map(_linear_lora, per_layer)) for per_layer in slots])
+            widest = max(lora.a.shape[1] for per_layer in slots for lora in per_layer)
+            self._lora = (table, torch.empty(skinny_gemm.MAX_ROWS * widest, dtype=torch.bfloat16), slots)
+        return True
+
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """hidden [rows, hidden] (the embeddings; overwritten) -> (last layer's output, residual stream)."""
+                meta: AttentionMetadata, lora_mapping=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden [rows, hidden] (the embeddings; overwritten) -> (last layer's output, residual stream).
+        With `lora_mapping` (a LoRAMapping; needs takes_lora()), its rows get their adapters' deltas."""
         rows = hidden.shape[0]
         hidden = hidden.contiguous()
         residual = torch.empty_like(hidden)
         decode = meta.decode
+        table = groups = lora_scratch = None
+        if lora_mapping is not None:
+            if not self.takes_lora():
+                raise RuntimeError("LoRA rows need LoRA slots packed for the small-batch kernel on every linear")
+            table, shrink, _ = self._lora
+            groups = (_LoRAGroup * len(lora_mapping.groups))(
+                *[_LoRAGroup(slot, run.start, run.stop) for slot, run in lora_mapping.groups])
+            table, lora_scratch = ctypes.addressof(table), shrink.data_ptr()
         step = _Step(rows, decode.block_tables.shape[1], positions.data_ptr(), meta.slot_mapping.data_ptr(),
                      decode.block_tables.data_ptr(), decode.context_lens.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-                     hidden.data_ptr(), residual.data_ptr(), self._scratch.data_ptr(), torch.get_num_threads())
+                     hidden.data_ptr(), residual.data_ptr(), self._scratch.data_ptr(), table,
+                     None if groups is None else ctypes.addressof(groups), 0 if groups is None else len(groups),
+                     lora_scratch, torch.get_num_threads())
         status = self._library.decode_layers(ctypes.byref(self._kernels), self._layers, len(self._layers),
                                              ctypes.byref(self._shape), ctypes.byref(step))
         if status != 0:
@@ -127,3 +168,9 @@ def _layer_struct(layer) -> _Layer:
                   _ptr(attn.o_proj.bias), _ptr(mlp.gate_up_proj.packed.data), _ptr(mlp.gate_up_proj.bias),
                   _ptr(mlp.down_proj.packed.data), _ptr(mlp.down_proj.bias), _ptr(attn.key_cache),
                   _ptr(attn.value_cache))
+
+
+def _linear_lora(lora) -> _LinearLoRA:
+    """A LinearLoRA's packed slots (fixed addresses: set_slot repacks in place and updates slot_widths)."""
+    return _LinearLoRA(lora.packed_a.data_ptr(), lora.packed_b.data_ptr(), lora.slot_widths.data_ptr(),
+                       lora.packed_a.shape[1], lora.packed_b.shape[1])

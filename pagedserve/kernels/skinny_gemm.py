@@ -41,7 +41,8 @@ def _lib() -> Optional[ctypes.CDLL]:
     if getattr(library, "_layout", None) is None:
         library.pack_weight.argtypes = [_P, _P, _I64, _I64]
         library.skinny_gemm.argtypes = [_P, _P, _P, _P, _I64, _I64, _I64, _INT]
-        library.pack_weight.restype = library.skinny_gemm.restype = _INT
+        library.skinny_gemm_accumulate.argtypes = [_P, _P, _P, _I64, _I64, _I64, _INT]
+        library.pack_weight.restype = library.skinny_gemm.restype = library.skinny_gemm_accumulate.restype = _INT
         library._layout = library.packed_layout() if library.available() else 0
     return library if library._layout else None
 
@@ -77,13 +78,18 @@ class PackedWeight:
         return PackedWeight(data, n, k)
 
 
+def _library_for(packed: PackedWeight) -> ctypes.CDLL:
+    library = _lib()
+    if library is None or packed.data.shape[2] != (16 if library._layout == 1 else 8):
+        raise RuntimeError("weight packed for another ISA level (build.reset() since it was packed?)")
+    return library
+
+
 def linear(x: torch.Tensor, packed: PackedWeight, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x [M, K] bf16 -> [M, N] bf16 (fp32 sums, rounded once, bias added before rounding)."""
     x = x.contiguous()
     m = x.shape[0]
-    library = _lib()
-    if library is None or packed.data.shape[2] != (16 if library._layout == 1 else 8):
-        raise RuntimeError("weight packed for another ISA level (build.reset() since it was packed?)")
+    library = _library_for(packed)
     y = torch.empty(m, packed.out_features, dtype=torch.bfloat16)
     if bias is not None:
         bias = bias.detach().contiguous()
@@ -92,3 +98,16 @@ def linear(x: torch.Tensor, packed: PackedWeight, bias: Optional[torch.Tensor] =
     if status != 0:
         raise RuntimeError(f"skinny_gemm failed (status {status})")
     return y
+
+
+def linear_accumulate(x: torch.Tensor, packed: PackedWeight, out: torch.Tensor) -> None:
+    """out [M, N] += x [M, K] @ weight.T, in place (bf16; out's values join the fp32 sums, rounded once).
+    `out` must be contiguous (a run of rows of a contiguous tensor is)."""
+    if not out.is_contiguous() or out.dtype != torch.bfloat16 or tuple(out.shape) != (x.shape[0], packed.out_features):
+        raise ValueError(f"out must be a contiguous bf16 [{x.shape[0]}, {packed.out_features}] tensor")
+    x = x.contiguous()
+    status = _library_for(packed).skinny_gemm_accumulate(x.data_ptr(), packed.data.data_ptr(), out.data_ptr(),
+                                                         x.shape[0], packed.out_features, packed.in_features,
+                                                         torch.get_num_threads())
+    if status != 0:
+        raise RuntimeError(f"skinny_gemm_accumulate failed (status {status})")

@@ -144,10 +144,11 @@ class LlamaForCausalLM(nn.Module):
         else:  # gathered once per step, shared by all layers
             rope = RopeInputs(positions, self.rotary, *self.rotary.cos_sin(positions, hidden.dtype))
         meta = get_attention_metadata()
-        # The C layer loop calls no Python Linear, so it cannot add LoRA deltas: steps with LoRA rows skip it.
+        lora_mapping = get_lora_mapping()
         if (self._decode_layers is not None and DecodeLayers.runs(hidden.shape[0], meta)
-                and get_lora_mapping() is None):
-            hidden, residual = self._decode_layers.forward(hidden, positions, self.rotary.cos, self.rotary.sin, meta)
+                and (lora_mapping is None or self._decode_layers.takes_lora())):
+            hidden, residual = self._decode_layers.forward(hidden, positions, self.rotary.cos, self.rotary.sin, meta,
+                                                           lora_mapping)
         else:
             residual = None
             for layer in self.model.layers:

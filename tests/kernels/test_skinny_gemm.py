@@ -49,6 +49,30 @@ def test_fp32_path_sums_in_k_order_and_rounds_to_nearest_even(isa, bias):
     assert torch.equal(out, (acc + (b.float() if bias else 0)).bfloat16())
 
 
+@pytest.mark.parametrize("rows", [1, 5, 16, 32])
+def test_accumulate_adds_into_out_before_the_one_rounding(isa, rows):
+    g = torch.Generator().manual_seed(rows)
+    weight = torch.randn(48, 96, generator=g).bfloat16()
+    x = torch.randn(rows, 96, generator=g).bfloat16()
+    packed = packed_or_skip(weight, isa)
+    zeros = torch.zeros(rows, 48, dtype=torch.bfloat16)
+    skinny_gemm.linear_accumulate(x, packed, zeros)
+    assert torch.equal(zeros, skinny_gemm.linear(x, packed))  # into zeros: exactly the plain product
+    out = torch.randn(rows, 48, generator=g).bfloat16()
+    got = out.clone()
+    skinny_gemm.linear_accumulate(x, packed, got)
+    if isa in FP32_FMA_LEVELS:  # sums in k order, then out, rounded once
+        acc = torch.zeros(rows, 48)
+        for k in range(96):
+            acc = acc + x[:, k:k + 1].float() * weight[:, k].float()
+        assert torch.equal(got, (acc + out.float()).bfloat16())
+    else:
+        exact = out.float() + x.float() @ weight.float().t()
+        assert torch.allclose(got.float(), exact, rtol=1e-2, atol=1e-2)
+    with pytest.raises(ValueError, match="contiguous bf16"):
+        skinny_gemm.linear_accumulate(x, packed, torch.zeros(rows, 48))  # float32
+
+
 def test_each_row_is_independent_of_the_others(isa):
     g = torch.Generator().manual_seed(0)
     packed = packed_or_skip(torch.randn(64, 128, generator=g).bfloat16(), isa)

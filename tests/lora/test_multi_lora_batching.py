@@ -90,20 +90,32 @@ def test_six_adapters_through_two_slots_all_finish_with_their_own_outputs(tiny_l
     assert_no_leaked_blocks(engine)
 
 
-def test_only_steps_without_lora_rows_take_the_c_decode_layers(tiny_llama_dir, loras, monkeypatch):
-    llm = make_llm(tiny_llama_dir, max_loras=2, dtype="bfloat16")
-    if llm.engine.runner.model._decode_layers is None:
-        pytest.skip("no C decode-layers path on this machine (needs bf16 kernels)")
+def test_decode_steps_with_lora_rows_take_the_c_decode_layers_bit_for_bit_as_the_python_layers(
+        tiny_llama_dir, loras, monkeypatch, isa):
+    # `isa`: once per kernel level this CPU runs (each level has its own small-batch kernel and packing).
+    llm = make_llm(tiny_llama_dir, max_loras=4, dtype="bfloat16")
+    model = llm.engine.runner.model
+    if model._decode_layers is None:
+        pytest.skip(f"no C decode-layers path at {isa} (needs the bf16 small-batch kernels)")
     calls = []
     original = decode_layers.DecodeLayers.forward
-    monkeypatch.setattr(decode_layers.DecodeLayers, "forward",
-                        lambda self, hidden, *a: calls.append(hidden.shape[0]) or original(self, hidden, *a))
-    prompt = {"prompt_token_ids": random_prompt(0, 8)}
-    llm.generate(prompt, PARAMS, use_tqdm=False)
-    assert calls  # base-model decode steps use it
-    calls.clear()
-    with_lora = llm.generate(prompt, PARAMS, use_tqdm=False, lora_request=loras[1])[0]
-    assert not calls
-    base = llm.generate(prompt, PARAMS, use_tqdm=False)[0]
-    assert with_lora.outputs[0].token_ids != base.outputs[0].token_ids
+    monkeypatch.setattr(decode_layers.DecodeLayers, "forward", lambda self, hidden, *a: calls.append(
+        (hidden.shape[0], a[-1] is not None)) or original(self, hidden, *a))
+    prompts = [{"prompt_token_ids": random_prompt(seed, 5 + seed)} for seed in range(10)]
+    assigned = [([None] + loras[:4])[i % 5] for i in range(10)]
+    fast = llm.generate(prompts, PARAMS, use_tqdm=False, lora_request=assigned)
+    assert model._decode_layers.takes_lora()
+    assert (10, True) in calls  # decode steps of the mixed batch ran in C, with the LoRA mapping
+    saved, model._decode_layers = model._decode_layers, None
+    try:
+        slow = llm.generate(prompts, PARAMS, use_tqdm=False, lora_request=assigned)
+    finally:
+        model._decode_layers = saved
+    for a, b in zip(fast, slow, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].cumulative_logprob == b.outputs[0].cumulative_logprob
+    base = llm.generate(prompts, PARAMS, use_tqdm=False)
+    for lora, mixed, plain in zip(assigned, fast, base):
+        if lora is not None:  # the deltas were applied in C: no silent base-model output
+            assert mixed.outputs[0].token_ids != plain.outputs[0].token_ids
     assert_no_leaked_blocks(llm.engine)

@@ -12,6 +12,10 @@
  *   qkv = h W_qkv (+ b); rotate q, k and store k, v in the cache; q copied out contiguous
  *   x = attention(q) W_o (+ b);  h = norm(x, res);  x = swiglu(h W_gate_up (+ b)) W_down (+ b)
  * On return `hidden` holds the last layer's x and `residual` the stream; the caller applies the final norm.
+ *
+ * With LoRA rows (Step.lora set), each of the four matmuls is followed by its adapters' deltas, as
+ * lora/layers.py's LinearLoRA.add_delta computes them: per run of rows of one slot, t = x A^T with the gemm,
+ * then y += t B^T with the accumulating gemm (the same packed slot weights). Base-model rows are in no run.
  */
 #include <stdint.h>
 #include <string.h>
@@ -29,10 +33,13 @@ typedef int (*attention_fn)(const void *query, const void *key_cache, const void
                             int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size,
                             int64_t max_blocks, float scale, int threads);
 typedef int (*swiglu_fn)(const void *gate_up, void *out, int64_t rows, int64_t d, int bf16, int threads);
+typedef int (*gemm_accumulate_fn)(const uint16_t *x, const uint16_t *packed, uint16_t *y, int64_t m, int64_t n,
+                                  int64_t k, int threads);
 
 typedef struct {
     rms_norm_fn rms_norm;
     gemm_fn gemm;
+    gemm_accumulate_fn gemm_accumulate;
     rotary_fn rotary;
     attention_fn attention;
     swiglu_fn swiglu;
@@ -49,12 +56,31 @@ typedef struct {
     float eps, scale;
 } Shape;
 
+typedef struct { /* one linear's LoRA slots: slot s has A packed as a [width, in] weight at a + s * a_stride and B
+                    as a [out, width] weight at b + s * b_stride; width 0: its adapter leaves the linear alone */
+    const uint16_t *a, *b;
+    const int64_t *widths;
+    int64_t a_stride, b_stride;
+} LinearLoRA;
+
+typedef struct {
+    LinearLoRA qkv, o, gate_up, down;
+} LayerLoRA;
+
+typedef struct { /* a run of rows [start, stop) of one slot */
+    int64_t slot, start, stop;
+} LoRAGroup;
+
 typedef struct { /* this step */
     int64_t rows, max_blocks;
     const int64_t *positions, *slots, *block_tables, *context_lens;
     const float *cos_table, *sin_table;
     uint16_t *hidden, *residual; /* [rows, hidden] each: in (embeddings in hidden) and out */
     uint16_t *scratch;           /* scratch_elements(shape, rows) bf16 values */
+    const LayerLoRA *lora;       /* per layer, or NULL: no row of this step has an adapter */
+    const LoRAGroup *groups;
+    int64_t num_groups;
+    uint16_t *lora_scratch; /* [rows, the widest slot] bf16 */
     int threads;
 } Step;
 
@@ -64,7 +90,31 @@ int64_t scratch_elements(const Shape *s, int64_t rows) {
     return rows * (qkv + 2 * q + s->hidden + 3 * s->intermediate);
 }
 
-static int layer(const Kernels *k, const Layer *w, const Shape *s, const Step *st, int first) {
+/* y [rows, n] += each run's slot delta of x [rows, in]. */
+static int add_lora(const Kernels *k, const LinearLoRA *l, const Step *st, const uint16_t *x, uint16_t *y,
+                    int64_t n, int64_t in) {
+    for (int64_t g = 0; g < st->num_groups; ++g) {
+        const LoRAGroup *run = st->groups + g;
+        const int64_t width = l->widths[run->slot], rows = run->stop - run->start;
+        if (!width) continue;
+        int status = k->gemm(x + run->start * in, l->a + run->slot * l->a_stride, NULL, st->lora_scratch, rows,
+                             width, in, st->threads);
+        if (status || (status = k->gemm_accumulate(st->lora_scratch, l->b + run->slot * l->b_stride,
+                                                   y + run->start * n, rows, n, width, st->threads)))
+            return status;
+    }
+    return 0;
+}
+
+/* The base matmul y = x W^T (+ b), then the LoRA deltas when the step has any (lora: this linear's slots). */
+static int linear(const Kernels *k, const Step *st, const LinearLoRA *lora, const uint16_t *x, const void *w,
+                  const void *bias, uint16_t *y, int64_t n, int64_t in) {
+    const int status = k->gemm(x, w, bias, y, st->rows, n, in, st->threads);
+    return status || !lora ? status : add_lora(k, lora, st, x, y, n, in);
+}
+
+static int layer(const Kernels *k, const Layer *w, const LayerLoRA *lora, const Shape *s, const Step *st,
+                 int first) {
     const int64_t m = st->rows, q_size = s->heads * s->head_dim, qkv_size = q_size + 2 * s->kv_heads * s->head_dim;
     uint16_t *qkv = st->scratch, *q = qkv + m * qkv_size, *attn = q + m * q_size, *h = attn + m * q_size;
     uint16_t *gate_up = h + m * s->hidden, *act = gate_up + m * 2 * s->intermediate;
@@ -76,7 +126,8 @@ static int layer(const Kernels *k, const Layer *w, const Shape *s, const Step *s
     } else {
         status = k->rms_norm(st->hidden, st->residual, w->input_norm, h, m, s->hidden, s->eps, 1, t);
     }
-    if (status || (status = k->gemm(h, w->qkv, w->qkv_bias, qkv, m, qkv_size, s->hidden, t))) return status;
+    if (status || (status = linear(k, st, lora ? &lora->qkv : NULL, h, w->qkv, w->qkv_bias, qkv, qkv_size, s->hidden)))
+        return status;
     status = k->rotary(qkv, qkv_size, st->positions, st->cos_table, st->sin_table, w->key_cache, w->value_cache,
                        st->slots, m, s->heads, s->kv_heads, s->head_dim, s->block_size, 1, t);
     if (status) return status;
@@ -84,18 +135,20 @@ static int layer(const Kernels *k, const Layer *w, const Shape *s, const Step *s
         memcpy(q + r * q_size, qkv + r * qkv_size, sizeof(uint16_t) * (size_t)q_size);
     status = k->attention(q, w->key_cache, w->value_cache, st->block_tables, st->context_lens, attn, m, s->heads,
                           s->kv_heads, s->head_dim, s->block_size, st->max_blocks, s->scale, t);
-    if (status || (status = k->gemm(attn, w->o, w->o_bias, st->hidden, m, s->hidden, q_size, t))) return status;
+    if (status || (status = linear(k, st, lora ? &lora->o : NULL, attn, w->o, w->o_bias, st->hidden, s->hidden, q_size)))
+        return status;
     if ((status = k->rms_norm(st->hidden, st->residual, w->post_norm, h, m, s->hidden, s->eps, 1, t))) return status;
-    if ((status = k->gemm(h, w->gate_up, w->gate_up_bias, gate_up, m, 2 * s->intermediate, s->hidden, t)))
+    if ((status = linear(k, st, lora ? &lora->gate_up : NULL, h, w->gate_up, w->gate_up_bias, gate_up,
+                         2 * s->intermediate, s->hidden)))
         return status;
     if ((status = k->swiglu(gate_up, act, m, s->intermediate, 1, t))) return status;
-    return k->gemm(act, w->down, w->down_bias, st->hidden, m, s->hidden, s->intermediate, t);
+    return linear(k, st, lora ? &lora->down : NULL, act, w->down, w->down_bias, st->hidden, s->hidden, s->intermediate);
 }
 
 /* Returns 0, or 100 * (layer + 1) + the failing kernel's status. */
 int decode_layers(const Kernels *k, const Layer *layers, int64_t num_layers, const Shape *s, const Step *st) {
     for (int64_t i = 0; i < num_layers; ++i) {
-        const int status = layer(k, layers + i, s, st, i == 0);
+        const int status = layer(k, layers + i, st->lora ? st->lora + i : NULL, s, st, i == 0);
         if (status) return (int)(100 * (i + 1)) + status;
     }
     return 0;

@@ -1,4 +1,5 @@
-/* bfloat16 matmul for few rows (small decode batches): y[M, N] = x[M, K] . w[N, K]^T (+ bias), fp32 sums.
+/* bfloat16 matmul for few rows (small decode batches): y[M, N] = x[M, K] . w[N, K]^T (+ bias), fp32 sums;
+ * skinny_gemm_accumulate adds the product into y instead (y = y + x . w^T, rounded once: LoRA deltas).
  *
  * With few rows, the BLAS path spends its time re-laying out the weights on every call (bf16 dot-product
  * instructions need pairs of k values side by side), and runs far below peak. Here the weights are laid out
@@ -67,10 +68,17 @@ int pack_weight(const uint16_t *w, uint16_t *packed, int64_t n, int64_t k) {
 /* 16 float32 -> 16 bf16, round to nearest even (as torch rounds). */
 static inline __m256i to_bf16(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }
 
-/* Rows [m0, m0 + rows) of y for the column block nb; rows <= ROWS_PER_PASS. */
+/* 16 bf16 -> 16 float32 (exact). */
+static inline __m512 widen16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+/* Rows [m0, m0 + rows) of y for the column block nb; rows <= ROWS_PER_PASS. With `accumulate`, y's values are
+ * added to the sums before the one rounding. */
 static inline __attribute__((always_inline)) void column_block(const uint16_t *x, const uint16_t *packed,
                                                               const uint16_t *bias, uint16_t *y, int64_t m0,
-                                                              int64_t rows, int64_t nb, int64_t n, int64_t k) {
+                                                              int64_t rows, int64_t nb, int64_t n, int64_t k,
+                                                              int accumulate) {
     __m512 acc[ROWS_PER_PASS];
     for (int64_t r = 0; r < rows; ++r) acc[r] = _mm512_setzero_ps();
     const uint32_t *xp = (const uint32_t *)x + m0 * (k / 2); /* k pairs of each row */
@@ -80,20 +88,20 @@ static inline __attribute__((always_inline)) void column_block(const uint16_t *x
         for (int64_t r = 0; r < rows; ++r)
             acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32((int)xp[r * (k / 2) + p]), wv);
     }
-    __m512 b = _mm512_setzero_ps();
-    if (bias)
-        b = _mm512_castsi512_ps(
-            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(bias + nb * 16))), 16));
-    for (int64_t r = 0; r < rows; ++r)
-        _mm256_storeu_si256((__m256i *)(y + (m0 + r) * n + nb * 16), to_bf16(_mm512_add_ps(acc[r], b)));
+    const __m512 b = bias ? widen16(bias + nb * 16) : _mm512_setzero_ps();
+    for (int64_t r = 0; r < rows; ++r) {
+        uint16_t *dst = y + (m0 + r) * n + nb * 16;
+        const __m512 sum = accumulate ? _mm512_add_ps(acc[r], widen16(dst)) : _mm512_add_ps(acc[r], b);
+        _mm256_storeu_si256((__m256i *)dst, to_bf16(sum));
+    }
 }
 
 /* Constant row counts let the compiler keep the accumulators in registers and unroll the row loop. */
 static void column_block_any(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, uint16_t *y,
-                             int64_t m0, int64_t rows, int64_t nb, int64_t n, int64_t k) {
+                             int64_t m0, int64_t rows, int64_t nb, int64_t n, int64_t k, int accumulate) {
     switch (rows) {
 #define CASE(R) \
-    case R: column_block(x, packed, bias, y, m0, R, nb, n, k); break;
+    case R: column_block(x, packed, bias, y, m0, R, nb, n, k, accumulate); break;
         CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
         CASE(9) CASE(10) CASE(11) CASE(12) CASE(13) CASE(14) CASE(15) CASE(16)
 #undef CASE
@@ -127,7 +135,8 @@ static inline __m256 widen8(const uint16_t *p) {
  * bits (read as integers so that gcc sees they cannot alias the float accumulators, kept in registers). */
 static inline __attribute__((always_inline)) void column_block(const uint32_t *xf, const uint16_t *packed,
                                                               const uint16_t *bias, uint16_t *y, int64_t m0,
-                                                              int64_t rows, int64_t nb, int64_t n, int64_t k) {
+                                                              int64_t rows, int64_t nb, int64_t n, int64_t k,
+                                                              int accumulate) {
     __m256 acc[2 * ROWS_PER_PASS]; /* row r: columns 0-7 in acc[2r], 8-15 in acc[2r + 1] */
     for (int64_t r = 0; r < 2 * rows; ++r) acc[r] = _mm256_setzero_ps();
     const uint32_t *xr = xf + m0 * k;
@@ -144,26 +153,32 @@ static inline __attribute__((always_inline)) void column_block(const uint32_t *x
     }
     const __m256 blo = bias ? widen8(bias + nb * 16) : _mm256_setzero_ps();
     const __m256 bhi = bias ? widen8(bias + nb * 16 + 8) : _mm256_setzero_ps();
-    for (int64_t r = 0; r < rows; ++r)
-        store16(y + (m0 + r) * n + nb * 16, _mm256_add_ps(acc[2 * r], blo), _mm256_add_ps(acc[2 * r + 1], bhi));
+    for (int64_t r = 0; r < rows; ++r) {
+        uint16_t *dst = y + (m0 + r) * n + nb * 16;
+        if (accumulate)
+            store16(dst, _mm256_add_ps(acc[2 * r], widen8(dst)), _mm256_add_ps(acc[2 * r + 1], widen8(dst + 8)));
+        else
+            store16(dst, _mm256_add_ps(acc[2 * r], blo), _mm256_add_ps(acc[2 * r + 1], bhi));
+    }
 }
 
 static void column_block_any(const uint32_t *xf, const uint16_t *packed, const uint16_t *bias, uint16_t *y,
-                             int64_t m0, int64_t rows, int64_t nb, int64_t n, int64_t k) {
+                             int64_t m0, int64_t rows, int64_t nb, int64_t n, int64_t k, int accumulate) {
     switch (rows) {
 #define CASE(R) \
-    case R: column_block(xf, packed, bias, y, m0, R, nb, n, k); break;
+    case R: column_block(xf, packed, bias, y, m0, R, nb, n, k, accumulate); break;
         CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6)
 #undef CASE
     }
 }
 #endif
 
-/* y [M, N] = x [M, K] . w^T (+ bias [N]), all bf16, with w packed by pack_weight. Column blocks are split over
- * the threads; each block's 16 x K weights stay in cache while every pass of ROWS_PER_PASS rows of x uses
- * them. Status: 0 ok, 1 bad shape, 2 no path in this build, 3 out of memory. */
-int skinny_gemm(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, uint16_t *y, int64_t m,
-                int64_t n, int64_t k, int num_threads) {
+/* y [M, N] = x [M, K] . w^T (+ bias [N]), or y += x . w^T with `accumulate` (then no bias), all bf16, with w
+ * packed by pack_weight. Column blocks are split over the threads; each block's 16 x K weights stay in cache
+ * while every pass of ROWS_PER_PASS rows of x uses them. Status: 0 ok, 1 bad shape, 2 no path in this build,
+ * 3 out of memory. */
+static int gemm(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, uint16_t *y, int64_t m, int64_t n,
+                int64_t k, int num_threads, int accumulate) {
 #if LAYOUT != 0
     if (n % 16 || k % 2) return 1;
 #if LAYOUT == 1
@@ -176,13 +191,24 @@ int skinny_gemm(const uint16_t *x, const uint16_t *packed, const uint16_t *bias,
 #pragma omp parallel for num_threads(num_threads) schedule(static)
     for (int64_t nb = 0; nb < n / 16; ++nb)
         for (int64_t m0 = 0; m0 < m; m0 += ROWS_PER_PASS)
-            column_block_any(xs, packed, bias, y, m0, m - m0 < ROWS_PER_PASS ? m - m0 : ROWS_PER_PASS, nb, n, k);
+            column_block_any(xs, packed, bias, y, m0, m - m0 < ROWS_PER_PASS ? m - m0 : ROWS_PER_PASS, nb, n, k,
+                             accumulate);
 #if LAYOUT == 2
     free(xs);
 #endif
     return 0;
 #else
-    (void)x, (void)packed, (void)bias, (void)y, (void)m, (void)n, (void)k, (void)num_threads;
+    (void)x, (void)packed, (void)bias, (void)y, (void)m, (void)n, (void)k, (void)num_threads, (void)accumulate;
     return 2;
 #endif
+}
+
+int skinny_gemm(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, uint16_t *y, int64_t m,
+                int64_t n, int64_t k, int num_threads) {
+    return gemm(x, packed, bias, y, m, n, k, num_threads, 0);
+}
+
+int skinny_gemm_accumulate(const uint16_t *x, const uint16_t *packed, uint16_t *y, int64_t m, int64_t n, int64_t k,
+                           int num_threads) {
+    return gemm(x, packed, NULL, y, m, n, k, num_threads, 1);
 }
