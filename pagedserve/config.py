@@ -107,6 +107,23 @@ class LoRAConfig:
 
 
 @dataclass(frozen=True)
+class StructuredOutputsConfig:
+    structured_outputs_backend: str = "xgrammar"
+    """Grammar library for structured output (response_format, structured_outputs): xgrammar (auto: the same)."""
+    structured_outputs_compile_timeout: float = 10.0
+    """Seconds a request waits for its grammar to compile; past it the request fails with a 400 (the
+    compilation goes on in the background, and later requests with the same constraint reuse it)."""
+
+    def __post_init__(self) -> None:
+        if self.structured_outputs_backend not in ("xgrammar", "auto"):
+            raise ValueError(f"structured_outputs_backend must be xgrammar or auto, got "
+                             f"{self.structured_outputs_backend!r}")
+        if not self.structured_outputs_compile_timeout > 0:
+            raise ValueError(f"structured_outputs_compile_timeout must be > 0, got "
+                             f"{self.structured_outputs_compile_timeout}")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs, built once."""
 
@@ -114,6 +131,7 @@ class EngineConfig:
     cache_config: CacheConfig = field(default_factory=CacheConfig)
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
     lora_config: LoRAConfig = field(default_factory=LoRAConfig)
+    structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":
@@ -130,10 +148,11 @@ class EngineConfig:
             raise TypeError(f"unknown engine argument(s): {', '.join(sorted(kwargs))}")
         if parts[ModelConfig].dtype not in DTYPE_CHOICES:
             raise ValueError(f"dtype must be one of {DTYPE_CHOICES}, got {parts[ModelConfig].dtype!r}")
-        return cls(parts[ModelConfig], parts[CacheConfig], parts[SchedulerConfig], parts[LoRAConfig])
+        return cls(parts[ModelConfig], parts[CacheConfig], parts[SchedulerConfig], parts[LoRAConfig],
+                   parts[StructuredOutputsConfig])
 
 
-ENGINE_CONFIGS = (ModelConfig, CacheConfig, SchedulerConfig, LoRAConfig)
+ENGINE_CONFIGS = (ModelConfig, CacheConfig, SchedulerConfig, LoRAConfig, StructuredOutputsConfig)
 """The config classes whose fields are engine arguments, in routing order (the CLI makes a flag of each)."""
 
 

@@ -6,6 +6,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
+from pagedserve.structured_output.params import StructuredOutputsParams
+
 _GREEDY_EPS = 1e-5
 _LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range for logit_bias values; vLLM clamps to it too
 
@@ -54,6 +56,9 @@ class SamplingParams:
     logit_bias: Optional[dict[int, float]] = field(default=None)
     """Added to the logits of the given token ids before sampling (keys may be ints or digit strings, as in
     JSON; values are clamped to [-100, 100] like OpenAI and vLLM)."""
+    structured_outputs: Optional[StructuredOutputsParams] = None
+    """Constrain the output to a JSON schema, a regex, a choice or a grammar (vLLM's name); a dict is taken as
+    StructuredOutputsParams' fields."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -68,6 +73,11 @@ class SamplingParams:
             self.top_k = 0
         if self.logit_bias is not None:
             self.logit_bias = _normalize_logit_bias(self.logit_bias)
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got "
+                             f"{type(self.structured_outputs).__name__}")
         self._validate()
 
     def _validate(self) -> None:

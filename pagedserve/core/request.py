@@ -88,6 +88,9 @@ class Request:
         self.lora_generation: Optional[int] = None
         """The load of that adapter the core bound this request to on admission (LoRAAdapter.generation):
         slots and prefix-cache hashes refer to it, so a reloaded adapter never serves this request's KV."""
+        self.structured_output = None
+        """The core's state of the request's constraint (structured_output.manager.StructuredOutputRequest),
+        set on admission when its params have structured_outputs; None otherwise."""
         self.num_cached_tokens = 0
         """Prompt tokens found in the prefix cache when the request was first scheduled."""
         self.first_scheduled_time: Optional[float] = None
@@ -113,6 +116,11 @@ class Request:
     @property
     def output_token_ids(self) -> list[int]:
         return self.all_token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def grammar_ready(self) -> bool:
+        """False while the request's constraint is still compiling (it cannot be scheduled yet)."""
+        return self.structured_output is None or self.structured_output.ready
 
     @property
     def is_finished(self) -> bool:

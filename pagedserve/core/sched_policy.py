@@ -38,7 +38,7 @@ class FCFSQueue(deque):
         return self.popleft()
 
     def pop_at(self, index: int) -> Request:
-        """Take the request at `index` out (the scheduler passes over some, see Scheduler._first_with_lora_slot)."""
+        """Take the request at `index` out (the scheduler passes over some, see Scheduler._first_admissible)."""
         request = self[index]
         del self[index]
         return request

@@ -90,11 +90,12 @@ class Scheduler:
                 budget -= scheduled
                 i += 1
         # Then waiting requests, in order, unless this step already had to preempt (memory is tight). One
-        # whose LoRA adapter can get no slot is passed over (it stays first in line); those behind it may run.
+        # whose LoRA adapter can get no slot, or whose grammar is still compiling, is passed over (it stays
+        # first in line); those behind it may run.
         passed = 0
         while (admit and budget > 0 and not out.preempted_request_ids
                and len(self.running) < self.config.max_num_seqs):
-            passed = self._first_with_lora_slot(passed)
+            passed = self._first_admissible(passed)
             if passed == len(self.waiting):
                 break
             scheduled = self._try_admit(self.waiting[passed], budget, out)
@@ -111,8 +112,8 @@ class Scheduler:
         self.running.sort(key=key)
         budget, i, admitted, passed = self.config.max_num_batched_tokens, 0, [], 0
         while budget > 0:
-            # Waiting requests whose LoRA adapter can get no slot are passed over, as under fcfs.
-            passed = self._first_with_lora_slot(passed) if admit else passed
+            # Waiting requests that cannot start yet (LoRA slot, grammar) are passed over, as under fcfs.
+            passed = self._first_admissible(passed) if admit else passed
             head = self.waiting[passed] if admit and passed < len(self.waiting) else None
             if i < len(self.running) and (head is None or not key(head) < key(self.running[i])):
                 scheduled = self._schedule_running(self.running[i], budget, out)
@@ -133,10 +134,11 @@ class Scheduler:
             budget -= scheduled
         self.running.extend(admitted)
 
-    def _first_with_lora_slot(self, start: int) -> int:
-        """The index of the first waiting request from `start` on whose adapter (if any) can get a LoRA slot
-        now; len(waiting) when there is none."""
-        while start < len(self.waiting) and not self._lora_slot_free(self.waiting[start]):
+    def _first_admissible(self, start: int) -> int:
+        """The index of the first waiting request from `start` on that can start now: its adapter (if any) can
+        get a LoRA slot and its grammar (if any) is compiled; len(waiting) when there is none."""
+        while start < len(self.waiting) and not (self.waiting[start].grammar_ready
+                                                 and self._lora_slot_free(self.waiting[start])):
             start += 1
         return start
 

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Optional
 
 from pagedserve.core.request import Request
+
+if TYPE_CHECKING:
+    from pagedserve.structured_output.manager import GrammarBitmask
 
 
 @dataclass
@@ -30,6 +34,10 @@ class SchedulerOutput:
     lora_slots: dict[int, int] = field(default_factory=dict)
     """LoRA load generation -> slot, for the adapters of this step's requests (empty without LoRA): the
     runner makes sure each slot holds its adapter, then applies it to those requests' rows."""
+
+    grammar_bitmask: Optional["GrammarBitmask"] = None
+    """The allowed next tokens of this step's constrained rows (structured output), filled in by the engine
+    core after scheduling; None when no request sampling this step has a constraint."""
 
     @property
     def is_empty(self) -> bool:

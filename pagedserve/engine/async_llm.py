@@ -197,7 +197,11 @@ class AsyncLLM:
     def _on_outputs(self, core_outputs, stats: EngineStats, rejections) -> None:
         deliveries = []
         with self._lock:
-            for request_id, error in rejections:
+            for rejected_id, error in rejections:
+                request_id = self.output_processor.child_to_parent.get(rejected_id, rejected_id)
+                siblings = [c for c in self.output_processor.child_ids(request_id) if c != rejected_id]
+                if siblings:
+                    self._client.send(("abort", siblings))
                 self.output_processor.abort_request(request_id)
                 self._tracker.drop(request_id)
                 deliveries.append((self._targets.pop(request_id, None), error))

@@ -22,6 +22,7 @@ from pagedserve.lora.manager import LoRAManager
 from pagedserve.lora.request import LoRARequest
 from pagedserve.lora.targets import lora_shapes
 from pagedserve.metrics.stats import EngineStats
+from pagedserve.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +47,8 @@ class EngineCore:
                              f"max_model_len={max_model_len}; with chunked prefill off it must be at least that")
         self.scheduler = Scheduler(scheduler_config, self.kv_cache_manager,
                                    max_loras=lora_config.max_loras if lora_config.enable_lora else 0)
+        self._structured_output: Optional[StructuredOutputManager] = None  # made on the first constrained request
+        self._rejected: list[tuple[str, ValueError]] = []
         self.info = CoreInfo(max_model_len, self.loaded.hf_config.vocab_size, self.loaded.eos_token_ids,
                              self.runner.num_blocks, block_size, self.runner.bytes_per_block)
         logger.info("KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB); max_model_len=%d",
@@ -77,6 +80,7 @@ class EngineCore:
         try:
             for child in children:
                 self._bind_lora(child)
+                self._bind_structured_output(child)
                 self.scheduler.add_request(child)
                 added.append(child.request_id)
         except ValueError:
@@ -131,6 +135,33 @@ class EngineCore:
         adapter = self._lora_manager_or_raise().get_or_load(request.lora_request, self._loras_in_use())
         request.lora_generation = adapter.generation
 
+    def _bind_structured_output(self, request: Request) -> None:
+        """Start compiling the request's constraint (if any); the scheduler passes it over until compiled."""
+        params = request.sampling_params.structured_outputs
+        if params is None:
+            return
+        if self._structured_output is None:
+            self._structured_output = StructuredOutputManager(self.config.structured_outputs_config,
+                                                              self._tokenizer, self.info.vocab_size,
+                                                              self.loaded.eos_token_ids)
+        request.structured_output = self._structured_output.submit(params)
+
+    def _tokenizer(self):
+        """The model's tokenizer for the grammar compiler. Under a server the core loads none (the front end
+        tokenizes; it also refuses constraints when the user turned the tokenizer off), so it is loaded here,
+        on the compile thread, the first time a constraint needs it."""
+        if self.loaded.tokenizer is not None:
+            return self.loaded.tokenizer
+        from pagedserve.loader.model_loader import load_tokenizer
+
+        return load_tokenizer(dataclasses.replace(self.config.model_config, skip_tokenizer_init=False))
+
+    def take_rejected(self) -> list[tuple[str, ValueError]]:
+        """(child request id, why) for queued requests the core gave up on since the last call (a constraint
+        that failed to compile or took too long); they are finished, holding nothing."""
+        rejected, self._rejected = self._rejected, []
+        return rejected
+
     def _loras_in_use(self) -> set[int]:
         """The adapter loads that queued or running requests hold (never evicted or removed)."""
         return {r.lora_generation for r in self.scheduler.requests.values() if r.lora_generation is not None}
@@ -143,13 +174,47 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         """Schedule, run the batch, and return one output per request that got a token."""
         scheduler_output = self.scheduler.schedule()
+        grammars = self._structured_output
+        if grammars is not None:
+            scheduler_output.grammar_bitmask = grammars.bitmask(
+                [item.request for item in scheduler_output.scheduled if item.samples])
         runner_output = self.runner.execute(scheduler_output)
         updated = self.scheduler.update_from_output(scheduler_output, runner_output.sampled_token_ids)
+        if grammars is not None:
+            self._advance_matchers(updated)
+            self._check_compiling(idle=scheduler_output.is_empty)
         logprobs = runner_output.logprobs
         return [EngineCoreOutput(r.request_id, r.all_token_ids[-1], r.status.finish_reason, r.stop_reason,
                                  logprobs.get(r.request_id), r.num_preemptions, r.num_cached_tokens,
                                  r.first_scheduled_time if r.num_output_tokens == 1 else None)
                 for r in updated]
+
+    def _advance_matchers(self, updated: list[Request]) -> None:
+        """Feed each constrained request its new token. A grammar that ends (its stop token accepted) ends the
+        request; a token outside the grammar cannot come from a masked row, so it is logged and stops it."""
+        for request in updated:
+            if request.structured_output is None or request.is_finished:
+                continue
+            if not self._structured_output.accept(request, request.all_token_ids[-1]):
+                logger.error("request %s: token %d is outside its grammar; stopping it", request.request_id,
+                             request.all_token_ids[-1])
+                self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_ABORTED)
+            elif request.structured_output.matcher.is_terminated():
+                self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
+
+    def _check_compiling(self, idle: bool) -> None:
+        """Reject waiting requests whose grammar failed or timed out. When the step ran nothing (everything
+        waits on grammars), sleep until a compilation ends rather than spin."""
+        compiling = [r for r in self.scheduler.waiting if r.structured_output is not None
+                     and r.structured_output.matcher is None]
+        for request in compiling:
+            error = self._structured_output.failure(request.structured_output)
+            if error is not None:
+                self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_ABORTED)
+                self._rejected.append((request.request_id, error))
+        pending = [r.structured_output for r in compiling if not r.is_finished]
+        if idle and pending:
+            self._structured_output.wait(pending, timeout=0.05)
 
     def stats(self) -> EngineStats:
         scheduler, kv = self.scheduler, self.kv_cache_manager

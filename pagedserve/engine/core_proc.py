@@ -7,7 +7,8 @@
 Messages in: ("add", parent_id, [Request], max_num_waiting), ("abort", [child ids]),
 ("stop", child_id, stop_string), ("call", call_id, method name, args), ("shutdown",).
 Messages out: ("ready", CoreInfo) or ("failed", traceback text) once, then ("outputs", outputs, stats,
-rejections) after every step or rejected add (rejections: [(parent_id, exception)]) and ("reply", call_id,
+rejections) after every step or rejected add (rejections: [(request id, exception)], the parent's id for a
+rejected add, a child's for a request the core gave up on while queued) and ("reply", call_id,
 value or exception). The core never waits on its client: it sleeps on the pipe only when it has nothing to
 run, and exits when the pipe closes (its front end is gone) or on "shutdown".
 """
@@ -59,6 +60,7 @@ def _loop(core, conn: Connection) -> None:
                 return
             _apply(core, conn, message, rejections)
         outputs = core.step() if core.has_unfinished_requests() else []
+        rejections += core.take_rejected()  # child ids: the front end finds their parent
         # Every pass either stepped or applied messages: the front end gets the outputs and fresh gauges.
         conn.send_bytes(pickle.dumps(("outputs", outputs, core.stats(), rejections), pickle.HIGHEST_PROTOCOL))
 

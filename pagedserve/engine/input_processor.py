@@ -42,6 +42,7 @@ class InputProcessor:
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
+        self._valid_constraints: set[tuple] = set()  # structured_outputs keys already checked
 
     def tokenize_prompt(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
         """A prompt is text, vLLM's {"prompt_token_ids": [...]} (or {"prompt": text}) or a list of ids."""
@@ -74,6 +75,22 @@ class InputProcessor:
             bad = [t for t in ids if t >= self.vocab_size]
             if bad:
                 raise ValueError(f"{name} has token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
+
+    def check_structured_outputs(self, constraint) -> None:
+        """A constraint (StructuredOutputsParams) the grammar library cannot compile, or would not enforce,
+        fails here (ValueError)."""
+        if constraint is None:
+            return
+        if self.tokenizer is None:
+            raise ValueError("structured_outputs needs a tokenizer (the engine was started with skip_tokenizer_init)")
+        key = constraint.key()
+        if key not in self._valid_constraints:
+            from pagedserve.structured_output import grammar
+
+            grammar.validate(constraint)
+            if len(self._valid_constraints) >= 1024:
+                self._valid_constraints.clear()
+            self._valid_constraints.add(key)
 
     def _check_length(self, request_id: str, num_prompt_tokens: int) -> None:
         if num_prompt_tokens == 0:
@@ -114,6 +131,7 @@ class InputProcessor:
             raise ValueError(f"tenant must be a string, got {type(tenant).__name__}")
         params = params or SamplingParams()
         self._check_token_params(params)
+        self.check_structured_outputs(params.structured_outputs)
         text, token_ids = self.tokenize_prompt(prompt)
         self._check_length(request_id, len(token_ids))
         arrival_time = time.time() if arrival_time is None else arrival_time

@@ -114,4 +114,9 @@ class LLMEngine:
         outputs, stopped = self.output_processor.process(self.core.step())
         for child_id, stop_string in stopped:
             self.core.finish_requests([child_id], RequestStatus.FINISHED_STOPPED, stop_reason=stop_string)
+        rejected = self.core.take_rejected()
+        if rejected:  # queued requests the core gave up on (their grammar): the error, as a bad add's would be
+            for child_id, _ in rejected:
+                self.abort_request(self.output_processor.child_to_parent.get(child_id, child_id))
+            raise rejected[0][1]
         return outputs

@@ -21,6 +21,7 @@ from pagedserve.loader.model_loader import LoadedModel
 from pagedserve.lora.manager import LoRAManager
 from pagedserve.lora.mapping import LoRAMapping
 from pagedserve.lora.model_slots import ModelLoRASlots
+from pagedserve.structured_output.bitmask import apply_grammar_bitmask
 
 logger = logging.getLogger(__name__)
 
@@ -115,6 +116,8 @@ class ModelRunner:
             return ModelRunnerOutput()
         sampling_items = [items[i] for i, _ in sample_rows]
         logits = self.model.compute_logits(hidden[torch.tensor([row for _, row in sample_rows], device=self.device)])
+        if out.grammar_bitmask is not None:
+            apply_grammar_bitmask(logits, [item.request.request_id for item in sampling_items], out.grammar_bitmask)
         sampler_out = self.sampler(logits, self._sampling_metadata(sampling_items))
         return self._make_output(sampling_items, sampler_out)
 

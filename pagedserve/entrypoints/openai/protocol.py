@@ -19,6 +19,30 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+class JSONSchemaFormat(_Body):
+    name: str = Field(default="response", max_length=64)
+    description: Optional[str] = None
+    json_schema: Optional[Union[dict, bool]] = Field(default=None, alias="schema")
+    strict: Optional[bool] = None
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JSONSchemaFormat] = None
+
+
+class StructuredOutputsField(BaseModel):
+    """vLLM's `structured_outputs` object (exactly one of json, regex, choice, grammar, json_object)."""
+
+    model_config = ConfigDict(extra="forbid")
+    json_schema: Optional[Union[dict, bool, str]] = Field(default=None, alias="json")
+    regex: Optional[str] = None
+    choice: Optional[list[str]] = None
+    grammar: Optional[str] = None
+    json_object: Optional[bool] = None
+    disable_any_whitespace: bool = False
+
+
 class _SamplingFields(_Body):
     """Fields shared by completions and chat completions."""
 
@@ -47,6 +71,8 @@ class _SamplingFields(_Body):
     cache_salt: Optional[str] = None
     priority: Optional[int] = None
     """Lower runs first; omitted: the tenant's default priority (needs --scheduling-policy priority or fair)."""
+    response_format: Optional[ResponseFormat] = None
+    structured_outputs: Optional[StructuredOutputsField] = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -67,17 +93,11 @@ class ChatMessage(_Body):
     name: Optional[str] = None
 
 
-class ResponseFormat(_Body):
-    type: str
-    model_config = ConfigDict(extra="allow")
-
-
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Optional[int] = None
     logprobs: bool = False
     top_logprobs: Optional[int] = None
-    response_format: Optional[ResponseFormat] = None
     add_generation_prompt: bool = True
 
 

@@ -17,6 +17,7 @@ from pagedserve.entrypoints.openai.errors import OpenAIError, from_value_error
 from pagedserve.entrypoints.openai.request_context import REQUEST_ID_HEADER, RequestContext
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
+from pagedserve.structured_output.params import StructuredOutputsParams
 
 T = TypeVar("T")
 
@@ -115,6 +116,32 @@ class ServingBase:
             raise OpenAIError(f"stop takes at most {MAX_STOP} strings of at most {MAX_STOP_LENGTH} characters",
                               400, param="stop")
 
+    def structured_outputs(self, body) -> Optional[StructuredOutputsParams]:
+        """The request's constraint, from OpenAI's `response_format` or vLLM's `structured_outputs` (one of
+        them), checked as the engine will compile it: 400 naming the field when it cannot be served."""
+        fmt, so = body.response_format, body.structured_outputs
+        if fmt is not None and fmt.type != "text" and so is not None:
+            raise OpenAIError("give response_format or structured_outputs, not both", 400, param="structured_outputs")
+        param = "structured_outputs"
+        try:
+            if so is not None:
+                constraint = StructuredOutputsParams(
+                    json=so.json_schema, regex=so.regex, choice=so.choice, grammar=so.grammar,
+                    json_object=so.json_object, disable_any_whitespace=so.disable_any_whitespace)
+            elif fmt is None or fmt.type == "text":
+                return None
+            elif fmt.type == "json_object":
+                param, constraint = "response_format", StructuredOutputsParams(json_object=True)
+            else:
+                param = "response_format"
+                if fmt.json_schema is None or fmt.json_schema.json_schema is None:
+                    raise ValueError("response_format of type json_schema needs json_schema.schema")
+                constraint = StructuredOutputsParams(json=fmt.json_schema.json_schema)
+            self.async_llm.input_processor.check_structured_outputs(constraint)
+        except ValueError as e:
+            raise OpenAIError(str(e), 400, param=param) from None
+        return constraint
+
     def sampling_params(self, body, max_tokens: int, logprobs: Optional[int],
                         rename: Optional[dict[str, str]] = None) -> SamplingParams:
         extras = {k: getattr(body, k) for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
@@ -125,7 +152,8 @@ class ServingBase:
                 presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
                 logit_bias=body.logit_bias, min_tokens=body.min_tokens, ignore_eos=body.ignore_eos,
                 skip_special_tokens=body.skip_special_tokens, logprobs=logprobs,
-                include_stop_str_in_output=body.include_stop_str_in_output, **extras)
+                include_stop_str_in_output=body.include_stop_str_in_output,
+                structured_outputs=self.structured_outputs(body), **extras)
         except ValueError as e:
             raise from_value_error(e, rename) from None
 

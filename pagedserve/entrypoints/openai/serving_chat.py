@@ -48,9 +48,6 @@ class ServingChat(ServingBase):
 
     async def create(self, body: ChatCompletionRequest, http: HTTPRequest):
         model = self.model_name(body.model)
-        if body.response_format is not None and body.response_format.type != "text":
-            raise OpenAIError(f"response_format type {body.response_format.type!r} is not supported: only 'text' "
-                              "(structured output is not implemented)", 400, param="response_format")
         if body.top_logprobs is not None and not body.logprobs:
             raise OpenAIError("top_logprobs needs logprobs=true", 400, param="top_logprobs")
         logprobs = (body.top_logprobs or 0) if body.logprobs else None

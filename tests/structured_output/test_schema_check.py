@@ -1,0 +1,66 @@
+"""Schemas with keywords xgrammar would silently not enforce are refused, naming the keyword and its place;
+what it enforces passes; invalid schemas are refused by the meta-schema."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from pagedserve.structured_output import StructuredOutputsParams, grammar
+from pagedserve.structured_output.schema_check import UNENFORCED, check_json_schema
+
+INTEGER = {"type": "integer"}
+
+
+@pytest.mark.parametrize("keyword", sorted(UNENFORCED))
+def test_each_unenforced_keyword_is_refused_with_its_path(keyword):
+    value = {"not": INTEGER, "if": INTEGER, "then": INTEGER, "else": INTEGER, "uniqueItems": True,
+             "contains": INTEGER, "maxContains": 2, "minContains": 1, "dependentRequired": {"a": ["b"]},
+             "dependentSchemas": {"a": INTEGER}, "dependencies": {"a": ["b"]},
+             "patternProperties": {"^x": INTEGER}, "$dynamicRef": "#node"}[keyword]
+    schema = {"type": "object", "properties": {"inner": {"type": "array", "items": {keyword: value}}}}
+    with pytest.raises(ValueError, match=re.escape(f"'{keyword}' at #/properties/inner/items")):
+        check_json_schema(schema)
+
+
+def test_property_names_that_look_like_keywords_are_not_keywords():
+    check_json_schema({"type": "object", "properties": {"not": INTEGER, "if": INTEGER, "contains": INTEGER}})
+
+
+@pytest.mark.parametrize("schema, match", [
+    ({"type": "string", "format": "credit-card"}, "format 'credit-card'"),
+    ({"allOf": [INTEGER, {"minimum": 3}]}, "allOf"),
+    ({"oneOf": [INTEGER, {"type": "number"}]}, "oneOf"),
+    ({"type": "strnig"}, "invalid JSON schema at #/type"),
+    ({"type": "object", "required": "a"}, "invalid JSON schema at #/required"),
+])
+def test_other_unenforced_or_invalid_schemas_are_refused(schema, match):
+    with pytest.raises(ValueError, match=match):
+        check_json_schema(schema)
+
+
+@pytest.mark.parametrize("schema", [
+    {"oneOf": [{"type": "string"}, INTEGER, {"type": "null"}]},
+    {"oneOf": [{"type": "object", "properties": {"kind": {"const": "a"}}, "required": ["kind"]},
+               {"type": "object", "properties": {"kind": {"const": "b"}, "x": INTEGER}, "required": ["kind"]}]},
+    {"allOf": [{"$ref": "#/$defs/A"}], "$defs": {"A": INTEGER}},
+    {"type": "object", "properties": {"when": {"type": "string", "format": "date-time"},
+                                      "n": {"type": "integer", "minimum": 1, "maximum": 9, "multipleOf": 3},
+                                      "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 2}},
+     "required": ["when"], "additionalProperties": False},
+])
+def test_enforced_features_pass(schema):
+    check_json_schema(schema)
+    grammar.validate(StructuredOutputsParams(json=schema))
+
+
+@pytest.mark.parametrize("params, match", [
+    (StructuredOutputsParams(regex="(ab"), "regex cannot be compiled: .*parenthesis"),
+    (StructuredOutputsParams(grammar="root ::= foo"), "grammar cannot be compiled: .*foo"),
+    (StructuredOutputsParams(json={"$ref": "#/$defs/missing"}), "json cannot be compiled"),
+])
+def test_the_library_refusing_a_constraint_is_a_value_error_without_its_log_prefix(params, match):
+    with pytest.raises(ValueError, match=match) as info:
+        grammar.validate(params)
+    assert "/project/" not in str(info.value) and ".cc:" not in str(info.value)
