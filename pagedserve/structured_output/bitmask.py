@@ -4,17 +4,23 @@ from __future__ import annotations
 
 import torch
 
+from pagedserve.kernels import token_bitmask
 from pagedserve.structured_output.manager import GrammarBitmask
+
+_SHIFTS = torch.arange(32, dtype=torch.int32)
 
 
 def apply_grammar_bitmask(logits: torch.Tensor, request_ids: list[str], grammar: GrammarBitmask) -> None:
     """logits [rows, vocab] (row i: request_ids[i]) in place: tokens a constrained row's grammar does not allow
-    get -inf; rows without a constraint are untouched."""
-    import xgrammar as xgr
-
+    get -inf; rows without a constraint are untouched. In C on CPU (kernels/token_bitmask.py), else torch."""
     rows = [i for i, request_id in enumerate(request_ids) if request_id in grammar.rows]
     if not rows:
         return
-    aligned = torch.full((logits.shape[0], grammar.bitmask.shape[1]), -1, dtype=torch.int32)
-    aligned[rows] = grammar.bitmask[[grammar.rows[request_ids[i]] for i in rows]]
-    xgr.apply_token_bitmask_inplace(logits, aligned.to(logits.device), indices=rows)
+    bitmask = grammar.bitmask[[grammar.rows[request_ids[i]] for i in rows]]
+    if token_bitmask.applies(logits):
+        token_bitmask.apply_token_bitmask(logits, bitmask, rows)
+        return
+    vocab = logits.shape[1]
+    allowed = ((bitmask.to(logits.device).unsqueeze(-1) >> _SHIFTS.to(logits.device)) & 1).view(len(rows), -1)
+    index = torch.tensor(rows, device=logits.device)
+    logits[index] = logits[index].masked_fill(allowed[:, :vocab] == 0, float("-inf"))
