@@ -3,8 +3,10 @@
 from pagedserve.lora.request import LoRARequest
 from pagedserve.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedserve.sampling_params import SamplingParams
+from pagedserve.structured_output.params import StructuredOutputsParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "LoRARequest"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "LoRARequest",
+           "StructuredOutputsParams"]
 __version__ = "0.1.0"
 
 
