@@ -82,6 +82,13 @@ def _add_serve(subparsers) -> None:
     p.add_argument("--lora-modules", nargs="+", default=None, type=_lora_module, metavar="MODULE",
                    help="LoRA adapters to serve (needs --enable-lora), each `name=path` or JSON "
                         "'{\"name\": ..., \"path\": ...}'; a request selects one by putting its name in `model`.")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="Let requests use tool_choice auto (the default when they send tools): the model chooses "
+                        "between text and tool calls, which are parsed out of its text.")
+    p.add_argument("--tool-call-parser", choices=("hermes", "llama3_json"), default=None,
+                   help="How tool calls look in the model's text: hermes (<tool_call>{...}</tool_call>, also "
+                        "pagedserve's own tool prompt for templates without tools) or llama3_json "
+                        "({\"name\": ..., \"parameters\": ...}). Default: hermes.")
     p.add_argument("--allow-runtime-lora-updating", action="store_true",
                    help="Enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter (admin keys only).")
     add_engine_args(p)

@@ -44,6 +44,11 @@ _BOUNDED_STRING = r'^[^"\\\x00-\x1f\ud800-\udfff]{%d,%s}$'
 
 
 def xgrammar_schema(schema: Any) -> str:
+    """narrow_schema(schema) as JSON text."""
+    return json.dumps(narrow_schema(schema))
+
+
+def narrow_schema(schema: Any) -> Any:
     """The schema as handed to xgrammar. Strings with minLength/maxLength become the same length bounds on a
     pattern: xgrammar 0.2.9 lets such strings hold raw control characters, which JSON forbids, and UTF-8
     encoded surrogates, which are not UTF-8 (both measured: a random model wrote '"\\x1a..."', which
@@ -54,7 +59,7 @@ def xgrammar_schema(schema: Any) -> str:
         if (node.get("type") == "string" and ("minLength" in node or "maxLength" in node)
                 and "pattern" not in node and "format" not in node):
             node["pattern"] = _BOUNDED_STRING % (node.pop("minLength", 0), node.pop("maxLength", ""))
-    return json.dumps(schema)
+    return schema
 
 
 def _json_options(params: StructuredOutputsParams) -> dict:
@@ -77,7 +82,9 @@ def validate(params: StructuredOutputsParams) -> None:
             xgr.Grammar.from_regex(params.regex)
         elif kind == "grammar":
             xgr.Grammar.from_ebnf(params.grammar)
-    except RuntimeError as e:
+        elif kind == "structural_tag":
+            xgr.Grammar.from_structural_tag(params.structural_tag)
+    except (RuntimeError, xgr.InvalidStructuralTagError) as e:
         raise ValueError(f"structured_outputs.{kind} cannot be compiled: {_message(e)}") from None
 
 
@@ -104,8 +111,10 @@ class GrammarCompiler:
                 return compiler.compile_regex(params.regex)
             if kind == "choice":
                 return compiler.compile_grammar(choice_ebnf(params.choice))
+            if kind == "structural_tag":
+                return compiler.compile_structural_tag(params.structural_tag)
             return compiler.compile_grammar(params.grammar)
-        except RuntimeError as e:
+        except (RuntimeError, ValueError) as e:
             raise ValueError(f"structured_outputs.{kind} cannot be compiled: {_message(e)}") from None
 
 

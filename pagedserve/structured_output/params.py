@@ -7,13 +7,15 @@ import json
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
-KINDS = ("json", "regex", "choice", "grammar", "json_object")
+KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 
 
 @dataclass(frozen=True)
 class StructuredOutputsParams:
     """Exactly one of `json` (a JSON schema, as a dict or its JSON text), `regex`, `choice` (a list of
-    strings), `grammar` (EBNF, xgrammar's GBNF dialect) or `json_object=True` (any JSON object).
+    strings), `grammar` (EBNF, xgrammar's GBNF dialect), `json_object=True` (any JSON object) or
+    `structural_tag` (xgrammar's structural tag, as JSON text: free text and tagged, schema-checked parts; tool
+    calling builds these).
 
     `disable_any_whitespace` (vLLM's name): JSON without optional whitespace (compact separators). Otherwise
     JSON may have whitespace between elements, at most `MAX_WHITESPACE` characters per gap, so a model cannot
@@ -24,6 +26,7 @@ class StructuredOutputsParams:
     choice: Optional[tuple[str, ...]] = None
     grammar: Optional[str] = None
     json_object: Optional[bool] = None
+    structural_tag: Optional[str] = None
     disable_any_whitespace: bool = False
 
     def __post_init__(self) -> None:
@@ -52,6 +55,12 @@ class StructuredOutputsParams:
             raise ValueError("structured_outputs.grammar must be a non-empty grammar text")
         if self.json_object is not None and self.json_object is not True:
             raise ValueError("structured_outputs.json_object must be true when given")
+        if self.structural_tag is not None:
+            try:
+                if not isinstance(json.loads(self.structural_tag), dict):
+                    raise ValueError
+            except (TypeError, ValueError):
+                raise ValueError("structured_outputs.structural_tag must be a JSON object as text") from None
         if not isinstance(self.disable_any_whitespace, bool):
             raise ValueError("structured_outputs.disable_any_whitespace must be a bool")
 

@@ -59,7 +59,9 @@ def server_config(args) -> ServerConfig:
                         api_keys=keys, log_requests=not getattr(args, "disable_log_requests", False),
                         api_keys_file=getattr(args, "api_keys_file", None),
                         scheduling_policy=getattr(args, "scheduling_policy", "fcfs"),
-                        max_metric_tenants=getattr(args, "max_metric_tenants", DEFAULT_MAX_METRIC_TENANTS))
+                        max_metric_tenants=getattr(args, "max_metric_tenants", DEFAULT_MAX_METRIC_TENANTS),
+                        enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", False),
+                        tool_call_parser=getattr(args, "tool_call_parser", None) or "hermes")
 
 
 def tenant_store(config: ServerConfig) -> TenantStore:

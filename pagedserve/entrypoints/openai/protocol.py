@@ -87,10 +87,25 @@ class TextPart(_Body):
     text: str
 
 
+class ToolCallFunction(_Body):
+    name: str
+    arguments: str = "{}"
+
+
+class ToolCallItem(_Body):
+    id: Optional[str] = None
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(_Body):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[TextPart], None] = None
     name: Optional[str] = None
+    tool_calls: Optional[list[ToolCallItem]] = None
+    """An assistant message's past calls."""
+    tool_call_id: Optional[str] = None
+    """A tool message: the call it answers."""
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -98,6 +113,9 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: Optional[int] = None
     logprobs: bool = False
     top_logprobs: Optional[int] = None
+    tools: Optional[list[dict]] = None
+    tool_choice: Optional[Union[str, dict]] = None
+    parallel_tool_calls: bool = True
     add_generation_prompt: bool = True
 
 

@@ -39,6 +39,8 @@ class ServerConfig:
     scheduling_policy: str = "fcfs"
     """The engine's policy: under "fcfs" tenants' default priorities are not passed on."""
     max_metric_tenants: int = 32
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str = "hermes"
 
 
 class ClientDisconnected(Exception):
@@ -143,7 +145,10 @@ class ServingBase:
         return constraint
 
     def sampling_params(self, body, max_tokens: int, logprobs: Optional[int],
-                        rename: Optional[dict[str, str]] = None) -> SamplingParams:
+                        rename: Optional[dict[str, str]] = None,
+                        structured_outputs: Optional[StructuredOutputsParams] = None) -> SamplingParams:
+        """The request's SamplingParams; `structured_outputs` is its constraint (structured_outputs(body), or
+        what the chat route made of it and the tools)."""
         extras = {k: getattr(body, k) for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
                   if getattr(body, k) is not None}
         try:
@@ -153,7 +158,7 @@ class ServingBase:
                 logit_bias=body.logit_bias, min_tokens=body.min_tokens, ignore_eos=body.ignore_eos,
                 skip_special_tokens=body.skip_special_tokens, logprobs=logprobs,
                 include_stop_str_in_output=body.include_stop_str_in_output,
-                structured_outputs=self.structured_outputs(body), **extras)
+                structured_outputs=structured_outputs, **extras)
         except ValueError as e:
             raise from_value_error(e, rename) from None
 

@@ -1,4 +1,5 @@
-"""POST /v1/chat/completions: messages -> the model's chat template -> chat.completion(s)."""
+"""POST /v1/chat/completions: messages (and tools) -> the model's chat template -> chat.completion(s), with
+tool calls parsed out of the text (tool_calling/)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,11 @@ from pagedserve.entrypoints.openai.protocol import ChatCompletionRequest, ChatMe
 from pagedserve.entrypoints.openai.request_context import request_context
 from pagedserve.entrypoints.openai.serving_base import (ServingBase, collect, first_output, sse, sse_events,
                                                         usage_dict)
+from pagedserve.tool_calling.constraint import tool_constraint
+from pagedserve.tool_calling.formats import FORMATS, ToolCall
+from pagedserve.tool_calling.prompt import render_messages, template_knows_tools
+from pagedserve.tool_calling.stream import ToolCallStream
+from pagedserve.tool_calling.tools import Tool, ToolChoice, ToolError, check_tool_choice, check_tools
 
 logger = logging.getLogger(__name__)
 
@@ -25,26 +31,69 @@ class _Choice:
     logprobs: list = field(default_factory=list)
     finish_reason: Optional[str] = None
     stop_reason: object = None
+    tool_stream: Optional[ToolCallStream] = None
 
 
 def message_dicts(messages: list[ChatMessage]) -> list[dict]:
-    """Content as one string: text parts joined by newlines (vLLM's rule)."""
+    """OpenAI's message dicts; content as one string: text parts joined by newlines (vLLM's rule)."""
     out = []
     for m in messages:
-        content = m.content if isinstance(m.content, str) else "\n".join(p.text for p in (m.content or []))
-        out.append({"role": m.role, "content": content})
+        content = m.content if isinstance(m.content, str) or m.content is None else "\n".join(p.text for p in m.content)
+        message = {"role": m.role, "content": content}
+        if m.tool_calls:
+            message["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+        if m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
+        out.append(message)
     return out
 
 
+@dataclass(frozen=True)
+class _Tools:
+    tools: list[Tool]
+    choice: ToolChoice
+
+    @property
+    def parsed(self) -> bool:
+        """Whether the output is searched for tool calls (tools offered and not tool_choice none)."""
+        return bool(self.tools) and self.choice.mode != "none"
+
+
 class ServingChat(ServingBase):
-    def render(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> tuple[str, list[int]]:
+    def render(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
+               tools: Optional[list[Tool]] = None) -> tuple[str, list[int]]:
         self.need_tokenizer()
+        fmt = FORMATS[self.config.tool_call_parser]
+        dicts, extra = render_messages(message_dicts(messages), tools or [], fmt,
+                                       template_knows_tools(self.tokenizer.chat_template))
         try:
-            text = self.tokenizer.apply_chat_template(message_dicts(messages), tokenize=False,
-                                                      add_generation_prompt=add_generation_prompt)
+            text = self.tokenizer.apply_chat_template(dicts, tokenize=False,
+                                                      add_generation_prompt=add_generation_prompt, **extra)
         except Exception as e:  # noqa: BLE001 - a template that rejects the conversation is the client's problem
             raise OpenAIError(f"the chat template failed on these messages: {e}", 400, param="messages") from None
         return text, self.tokenizer.encode(text, add_special_tokens=False)
+
+    def _tools(self, body: ChatCompletionRequest) -> _Tools:
+        try:
+            tools = check_tools(body.tools or [])
+            choice = check_tool_choice(body.tool_choice, tools)
+        except ToolError as e:
+            raise OpenAIError(str(e), 400, param=e.param) from None
+        if choice.mode == "auto" and tools and not self.config.enable_auto_tool_choice:
+            raise OpenAIError('"auto" tool choice (the default with tools) needs the server started with '
+                              "--enable-auto-tool-choice; or send tool_choice required, none or a function", 400,
+                              param="tool_choice")
+        return _Tools(tools, choice)
+
+    def _constraint(self, body: ChatCompletionRequest, tools: _Tools):
+        constraint = self.structured_outputs(body)
+        if not tools.parsed:
+            return constraint
+        if constraint is not None:
+            raise OpenAIError(f"tool_choice {tools.choice.mode!r} cannot be combined with response_format or "
+                              "structured_outputs", 400, param="tool_choice")
+        return tool_constraint(tools.tools, tools.choice, FORMATS[self.config.tool_call_parser],
+                               body.parallel_tool_calls)
 
     async def create(self, body: ChatCompletionRequest, http: HTTPRequest):
         model = self.model_name(body.model)
@@ -52,13 +101,15 @@ class ServingChat(ServingBase):
             raise OpenAIError("top_logprobs needs logprobs=true", 400, param="top_logprobs")
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         self.check_common(body, logprobs, "top_logprobs")
-        text, ids = self.render(body.messages, body.add_generation_prompt)
+        tools = self._tools(body)
+        text, ids = self.render(body.messages, body.add_generation_prompt, tools.tools)
         self.check_token_ids(ids, "messages")
         if body.max_completion_tokens is not None:
             max_tokens = self.max_tokens_for(len(ids), body.max_completion_tokens, "max_completion_tokens")
         else:
             max_tokens = self.max_tokens_for(len(ids), body.max_tokens)
-        params = self.sampling_params(body, max_tokens, logprobs, rename={"logprobs": "top_logprobs"})
+        params = self.sampling_params(body, max_tokens, logprobs, rename={"logprobs": "top_logprobs"},
+                                      structured_outputs=self._constraint(body, tools))
         ctx = request_context(http)
         priority = self.request_priority(ctx, body.priority)
         if self.config.log_requests:
@@ -67,28 +118,42 @@ class ServingChat(ServingBase):
         cached: dict[int, int] = {}
         stream = self.streams(ctx, [(text, ids)], [params], priority, self.cache_salt(ctx, body.cache_salt), cached,
                               model)
-        choices = [_Choice() for _ in range(body.n)]
+        fmt = FORMATS[self.config.tool_call_parser]
+        choices = [_Choice(tool_stream=ToolCallStream(fmt) if tools.parsed else None) for _ in range(body.n)]
         head = {"id": f"chatcmpl-{ctx.request_id}", "created": self.created(), "model": model}
         usage = lambda: usage_dict(len(ids), sum(c.num_tokens for c in choices), cached)  # noqa: E731
-
         if not body.stream:
-            def on_output(_, out) -> None:
-                for c in out.outputs:
-                    choice = choices[c.index]
-                    choice.text += c.text
-                    choice.num_tokens += len(c.token_ids)
-                    if logprobs is not None:
-                        choice.logprobs += self._logprobs(c.token_ids, c.logprobs or [], logprobs)
-                    if c.finish_reason is not None:
-                        choice.finish_reason, choice.stop_reason = c.finish_reason, c.stop_reason
+            return await self._complete(http, stream, choices, logprobs, head, usage)
+        return await self._stream(http, stream, choices, logprobs, head, usage, body)
 
-            await collect(http, stream, on_output)
-            return JSONResponse({**head, "object": "chat.completion", "choices": [
-                {"index": i, "message": {"role": "assistant", "content": c.text},
-                 "logprobs": {"content": c.logprobs} if logprobs is not None else None,
-                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-                for i, c in enumerate(choices)], "usage": usage()})
+    async def _complete(self, http, stream, choices: list[_Choice], logprobs, head: dict, usage) -> JSONResponse:
+        def on_output(_, out) -> None:
+            for c in out.outputs:
+                choice = choices[c.index]
+                choice.text += c.text
+                choice.num_tokens += len(c.token_ids)
+                if logprobs is not None:
+                    choice.logprobs += self._logprobs(c.token_ids, c.logprobs or [], logprobs)
+                if c.finish_reason is not None:
+                    choice.finish_reason, choice.stop_reason = c.finish_reason, c.stop_reason
 
+        await collect(http, stream, on_output)
+        rendered = []
+        for i, c in enumerate(choices):
+            message, finish_reason = {"role": "assistant", "content": c.text}, c.finish_reason
+            if c.tool_stream is not None:
+                parsed = c.tool_stream.fmt.parse(c.text, final=True)
+                if parsed.calls:
+                    message = {"role": "assistant", "content": parsed.content or None,
+                               "tool_calls": [call.openai() for call in parsed.calls]}
+                    finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
+            rendered.append({"index": i, "message": message,
+                             "logprobs": {"content": c.logprobs} if logprobs is not None else None,
+                             "finish_reason": finish_reason, "stop_reason": c.stop_reason})
+        return JSONResponse({**head, "object": "chat.completion", "choices": rendered, "usage": usage()})
+
+    async def _stream(self, http, stream, choices: list[_Choice], logprobs, head: dict, usage,
+                      body: ChatCompletionRequest) -> StreamingResponse:
         first = await first_output(http, stream)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
@@ -110,6 +175,9 @@ class ServingChat(ServingBase):
                 if logprobs is not None:
                     lps = {"content": self._logprobs(c.token_ids, c.logprobs or [], logprobs)}
                 choice.finish_reason = c.finish_reason
+                if choice.tool_stream is not None:
+                    yield from _tool_chunks(chunk, c, choice, lps)
+                    continue
                 if not c.text and c.finish_reason is None and lps is None:
                     continue  # tokens whose text is held back (a partial character or stop string)
                 yield chunk(c.index, {"content": c.text} if c.text or c.finish_reason is None else {},
@@ -132,3 +200,25 @@ class ServingChat(ServingBase):
                         "top_logprobs": [{"token": p.decoded_token or "", "logprob": p.logprob,
                                           "bytes": list((p.decoded_token or "").encode())} for p in top][:num]})
         return out
+
+
+def _tool_chunks(chunk, c, choice: _Choice, lps):
+    """A delta of a choice whose text may hold tool calls: its certain content, then each completed call as
+    OpenAI's delta.tool_calls (index, id, type and name first, then the arguments), then the finish."""
+    finished = c.finish_reason is not None
+    content, calls = choice.tool_stream.feed(c.text, finished)
+    if content or lps is not None:
+        yield chunk(c.index, {"content": content}, lps=lps)
+    for call in calls:
+        yield from _call_chunks(chunk, c.index, len(choice.tool_stream.calls) - len(calls) + calls.index(call), call)
+    if finished:
+        finish_reason = c.finish_reason
+        if choice.tool_stream.calls and finish_reason == "stop":
+            finish_reason = "tool_calls"
+        yield chunk(c.index, {}, finish_reason, c.stop_reason)
+
+
+def _call_chunks(chunk, index: int, call_index: int, call: ToolCall):
+    yield chunk(index, {"tool_calls": [{"index": call_index, "id": call.id, "type": "function",
+                                        "function": {"name": call.name, "arguments": ""}}]})
+    yield chunk(index, {"tool_calls": [{"index": call_index, "function": {"arguments": call.arguments}}]})
