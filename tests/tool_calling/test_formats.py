@@ -93,3 +93,27 @@ def test_history_is_rendered_for_templates_with_and_without_tools():
     assert extra["tools"][0]["function"]["name"] == "get_weather"
     assert hf[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
     assert hf[2] == {"role": "tool", "content": "18 C, sunny", "tool_call_id": "call_1"}
+
+
+def test_a_template_that_knows_tools_gets_them_and_the_history_through_its_variables(tiny_llama_dir):
+    from transformers import AutoTokenizer
+
+    from pagedserve.tool_calling.prompt import template_knows_tools
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    tokenizer.chat_template = (  # Qwen2.5-style: tools in the system turn, calls and results by role
+        "{% if tools %}<tools>{% for t in tools %}{{ t | tojson }}{% endfor %}</tools>{% endif %}"
+        "{% for m in messages %}<{{ m.role }}>{{ m.content }}"
+        "{% for c in m.tool_calls or [] %}<tool_call>{{ c.function | tojson }}</tool_call>{% endfor %}"
+        "</{{ m.role }}>{% endfor %}")
+    assert template_knows_tools(tokenizer.chat_template)
+    tools = check_tools([WEATHER])
+    history = [{"role": "user", "content": "Weather?"},
+               {"role": "assistant", "content": "", "tool_calls": [
+                   {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}]},
+               {"role": "tool", "tool_call_id": "c1", "content": "warm"}]
+    messages, extra = render_messages(history, tools, HERMES, knows_tools=True)
+    text = tokenizer.apply_chat_template(messages, tokenize=False, **extra)
+    assert '"name": "get_weather"' in text.split("</tools>")[0]
+    assert '<tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call>' in text
+    assert "<tool>warm</tool>" in text and "You may call functions" not in text
