@@ -103,6 +103,8 @@ class SamplingParams:
               "max_tokens", "must be an integer >= 1 or None")
         check(_is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens", "must be an integer >= 0")
         check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens", "must be <= max_tokens")
+        check(self.structured_outputs is None or self.min_tokens == 0, "min_tokens",
+              "cannot be combined with structured_outputs (the grammar decides when the output may end)")
         check(self.logprobs is None or (_is_int(self.logprobs) and self.logprobs >= 0),
               "logprobs", "must be an integer >= 0 or None")
         check(self.logit_bias is None or all(_is_int(k) and k >= 0 and _is_num(v) and not math.isnan(v)

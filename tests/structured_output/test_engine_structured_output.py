@@ -183,3 +183,21 @@ def test_a_compilation_past_the_time_limit_fails_that_request_alone(tiny_llama_d
     time.sleep(1.0)
     out = llm.generate("hello", params(0, 0.0, StructuredOutputsParams(regex="[0-9]+")), use_tqdm=False)[0]
     assert re.fullmatch("[0-9]+", out.outputs[0].text) or out.outputs[0].finish_reason == "length"
+
+
+def test_chunked_prefill_gives_the_constrained_output_of_one_step_prefill(tiny_llama_dir):
+    prompt = "A long prompt that needs several chunks. " * 12
+    batch = [params(s, 1.0, StructuredOutputsParams(json=SCHEMAS["nested_objects"])) for s in range(4)]
+    whole = LLM(tiny_llama_dir, dtype="float32", kv_cache_memory_bytes=1 << 24, max_model_len=512)
+    chunked = LLM(tiny_llama_dir, dtype="float32", kv_cache_memory_bytes=1 << 24, max_model_len=512,
+                  max_num_batched_tokens=32)
+    want = [o.outputs[0].token_ids for o in whole.generate([prompt] * 4, batch, use_tqdm=False)]
+    got = chunked.generate([prompt] * 4, batch, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == want
+    assert all(parses_and_validates(o.outputs[0].text, SCHEMAS["nested_objects"]) for o in got
+               if o.outputs[0].finish_reason == "stop")
+
+
+def test_min_tokens_with_a_constraint_is_refused_naming_it():
+    with pytest.raises(ValueError, match="min_tokens cannot be combined with structured_outputs"):
+        SamplingParams(min_tokens=5, structured_outputs=StructuredOutputsParams(choice=["a"]))
