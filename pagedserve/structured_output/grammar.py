@@ -34,6 +34,11 @@ def _message(e: Exception) -> str:
     return _LOG_PREFIX.sub("", str(e).strip()).strip()
 
 
+def is_ebnf(grammar: str) -> bool:
+    """EBNF (GBNF: `rule ::= ...`) or else Lark (`rule: ...`), the two grammar languages xgrammar takes."""
+    return "::=" in grammar
+
+
 def choice_ebnf(choices: Iterable[str]) -> str:
     """A grammar whose only sentences are the choices, literally."""
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
@@ -81,11 +86,36 @@ def validate(params: StructuredOutputsParams) -> None:
         elif kind == "regex":
             xgr.Grammar.from_regex(params.regex)
         elif kind == "grammar":
-            xgr.Grammar.from_ebnf(params.grammar)
+            (xgr.Grammar.from_ebnf if is_ebnf(params.grammar) else xgr.Grammar.from_lark)(params.grammar)
         elif kind == "structural_tag":
             xgr.Grammar.from_structural_tag(params.structural_tag)
     except (RuntimeError, xgr.InvalidStructuralTagError) as e:
         raise ValueError(f"structured_outputs.{kind} cannot be compiled: {_message(e)}") from None
+
+
+def _tokenizer_info(tokenizer, vocab_size: int, stop_token_ids: list[int]):
+    """xgrammar's view of the vocabulary, with the special tokens (other than the stop tokens) left out.
+    xgrammar 0.2.9 reads a special token as its literal text (<|im_start|>, <unk>), so a grammar that allows
+    that text could emit the token, which the detokenizer then drops (measured: a Lark grammar for "<" word ">"
+    produced <unk>, i.e. empty text). Empty strings are how xgrammar marks tokens it must never allow."""
+    import xgrammar as xgr
+
+    base = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids or None)
+    special = _special_ids(tokenizer) - set(base.stop_token_ids)
+    if not special or base.vocab_type == xgr.VocabType.RAW or not hasattr(tokenizer, "get_vocab"):
+        return base
+    vocab = [""] * vocab_size
+    for token, token_id in tokenizer.get_vocab().items():
+        if token_id < vocab_size and token_id not in special:
+            vocab[token_id] = token
+    return xgr.TokenizerInfo(vocab, base.vocab_type, vocab_size=vocab_size, stop_token_ids=base.stop_token_ids,
+                             add_prefix_space=base.add_prefix_space)
+
+
+def _special_ids(tokenizer) -> set[int]:
+    ids = set(getattr(tokenizer, "all_special_ids", ()))
+    decoder = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    return ids | {token_id for token_id, token in decoder.items() if getattr(token, "special", False)}
 
 
 class GrammarCompiler:
@@ -95,12 +125,13 @@ class GrammarCompiler:
         import xgrammar as xgr
 
         self.vocab_size = vocab_size
-        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
-                                                  stop_token_ids=sorted(stop_token_ids) or None)
+        info = _tokenizer_info(tokenizer, vocab_size, sorted(stop_token_ids))
         self._compiler = xgr.GrammarCompiler(info, max_threads=max_threads, cache_enabled=True)
 
     def compile(self, params: StructuredOutputsParams) -> "xgrammar.CompiledGrammar":
         """ValueError naming the problem when the constraint cannot be compiled."""
+        import xgrammar as xgr
+
         compiler, kind = self._compiler, params.kind
         try:
             if kind == "json":
@@ -113,7 +144,9 @@ class GrammarCompiler:
                 return compiler.compile_grammar(choice_ebnf(params.choice))
             if kind == "structural_tag":
                 return compiler.compile_structural_tag(params.structural_tag)
-            return compiler.compile_grammar(params.grammar)
+            if is_ebnf(params.grammar):
+                return compiler.compile_grammar(params.grammar)
+            return compiler.compile_grammar(xgr.Grammar.from_lark(params.grammar))
         except (RuntimeError, ValueError) as e:
             raise ValueError(f"structured_outputs.{kind} cannot be compiled: {_message(e)}") from None
 

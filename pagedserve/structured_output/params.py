@@ -13,7 +13,7 @@ KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 @dataclass(frozen=True)
 class StructuredOutputsParams:
     """Exactly one of `json` (a JSON schema, as a dict or its JSON text), `regex`, `choice` (a list of
-    strings), `grammar` (EBNF, xgrammar's GBNF dialect), `json_object=True` (any JSON object) or
+    strings), `grammar` (EBNF in xgrammar's GBNF dialect, `rule ::= ...`, or Lark, `rule: ...`), `json_object=True` (any JSON object) or
     `structural_tag` (xgrammar's structural tag, as JSON text: free text and tagged, schema-checked parts; tool
     calling builds these).
 

@@ -78,10 +78,12 @@ def test_regex_choice_and_grammar_outputs_match(llm):
     regex = StructuredOutputsParams(regex=r"[a-c]{2,4}-[0-9]{3}")
     choice = StructuredOutputsParams(choice=["alpha", "beta \"quoted\"", "gamma\n"])
     ebnf = StructuredOutputsParams(grammar='root ::= "(" digit+ ")"\ndigit ::= [0-9]')
+    lark = StructuredOutputsParams(grammar='start: "<" WORD ">"\nWORD: /[a-z]{1,5}/')
     prompts = [f"Prompt {s}" for s in range(12)]
     for constraint, check in ((regex, lambda t: re.fullmatch(r"[a-c]{2,4}-[0-9]{3}", t)),
                               (choice, lambda t: t in choice.choice),
-                              (ebnf, lambda t: re.fullmatch(r"\([0-9]+\)", t))):
+                              (ebnf, lambda t: re.fullmatch(r"\([0-9]+\)", t)),
+                              (lark, lambda t: re.fullmatch(r"<[a-z]{1,5}>", t))):
         outs = llm.generate(prompts, [params(s, 1.0, constraint) for s in range(12)], use_tqdm=False)
         for o in outs:
             if o.outputs[0].finish_reason == "stop":

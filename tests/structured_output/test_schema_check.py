@@ -58,9 +58,28 @@ def test_enforced_features_pass(schema):
 @pytest.mark.parametrize("params, match", [
     (StructuredOutputsParams(regex="(ab"), "regex cannot be compiled: .*parenthesis"),
     (StructuredOutputsParams(grammar="root ::= foo"), "grammar cannot be compiled: .*foo"),
+    (StructuredOutputsParams(grammar="start: undefined_rule"), "grammar cannot be compiled"),
     (StructuredOutputsParams(json={"$ref": "#/$defs/missing"}), "json cannot be compiled"),
 ])
 def test_the_library_refusing_a_constraint_is_a_value_error_without_its_log_prefix(params, match):
     with pytest.raises(ValueError, match=match) as info:
         grammar.validate(params)
     assert "/project/" not in str(info.value) and ".cc:" not in str(info.value)
+
+
+def test_special_tokens_other_than_the_stop_tokens_are_never_allowed(tiny_llama_dir):
+    # xgrammar alone reads <unk> and <s> as their text, so a grammar allowing "<unk>" could emit the token.
+    import xgrammar as xgr
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    compiler = grammar.GrammarCompiler(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+    matcher = grammar.new_matcher(compiler.compile(StructuredOutputsParams(grammar='root ::= "<" [a-z]+ ">"')))
+    bitmask = xgr.allocate_token_bitmask(1, len(tokenizer))
+    matcher.fill_next_token_bitmask(bitmask, 0)
+    allowed = {t for t in range(len(tokenizer)) if (int(bitmask[0, t // 32]) >> (t % 32)) & 1}
+    assert tokenizer.unk_token_id not in allowed and tokenizer.bos_token_id not in allowed
+    assert tokenizer.convert_tokens_to_ids("<") in allowed
+    assert matcher.accept_string("<abc>")
+    matcher.fill_next_token_bitmask(bitmask, 0)
+    assert (int(bitmask[0, tokenizer.eos_token_id // 32]) >> (tokenizer.eos_token_id % 32)) & 1  # stop: allowed
