@@ -71,6 +71,7 @@ class AsyncLLM:
         self._shutting_down = False
         self._dead_reason: Optional[str] = None
         # The core loads the model in its process while this one loads the tokenizer.
+        self.config = config
         core_config = dataclasses.replace(
             config, model_config=dataclasses.replace(config.model_config, skip_tokenizer_init=True))
         self._client = EngineCoreClient(core_config, self._on_outputs, self._on_dead)

@@ -216,6 +216,11 @@ class EngineCore:
         if idle and pending:
             self._structured_output.wait(pending, timeout=0.05)
 
+    def shutdown(self) -> None:
+        """Stop the grammar compile thread (queued compilations are dropped)."""
+        if self._structured_output is not None:
+            self._structured_output.shutdown()
+
     def stats(self) -> EngineStats:
         scheduler, kv = self.scheduler, self.kv_cache_manager
         lora = self.lora_manager is not None

@@ -46,6 +46,8 @@ def run_engine_core(config: EngineConfig, conn: Connection, log_level: int = log
         _loop(core, conn)
     except (EOFError, BrokenPipeError, ConnectionResetError):
         logger.info("front end gone; engine core exits")
+    finally:
+        core.shutdown()
 
 
 def _loop(core, conn: Connection) -> None:

@@ -35,6 +35,7 @@ class LLMEngine:
                                               config.lora_config.enable_lora)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
+        self._errors: list[ValueError] = []  # for requests the core rejected; raised by the next step()
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "LLMEngine":
@@ -105,18 +106,21 @@ class LLMEngine:
             self.output_processor.abort_request(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return self.core.has_unfinished_requests()
+        """True while requests run or an error for a rejected one is still to be raised by step()."""
+        return self.core.has_unfinished_requests() or bool(self._errors)
 
     # -- the step ----------------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one batch; return the outputs that are ready (finished requests, and streamed deltas)."""
+        """Run one batch; return the outputs that are ready (finished requests, and streamed deltas). A request
+        the core gave up on while it was queued (its constraint failed to compile or timed out) is aborted and
+        its ValueError raised by the next call, after this one has returned the other requests' outputs."""
+        if self._errors:
+            raise self._errors.pop(0)
         outputs, stopped = self.output_processor.process(self.core.step())
         for child_id, stop_string in stopped:
             self.core.finish_requests([child_id], RequestStatus.FINISHED_STOPPED, stop_reason=stop_string)
-        rejected = self.core.take_rejected()
-        if rejected:  # queued requests the core gave up on (their grammar): the error, as a bad add's would be
-            for child_id, _ in rejected:
-                self.abort_request(self.output_processor.child_to_parent.get(child_id, child_id))
-            raise rejected[0][1]
+        for child_id, error in self.core.take_rejected():  # queued requests the core gave up on (their grammar)
+            self.abort_request(self.output_processor.child_to_parent.get(child_id, child_id))
+            self._errors.append(error)
         return outputs

@@ -25,6 +25,8 @@ from pagedserve.structured_output.bitmask import apply_grammar_bitmask
 
 logger = logging.getLogger(__name__)
 
+LOGPROB_FLOOR = -9999.0
+"""The lowest logprob reported (a token the grammar bans, or one with probability 0)."""
 CPU_DEFAULT_KV_SHARE = 0.25
 CPU_DEFAULT_KV_CAP = 4 << 30
 CUDA_DEFAULT_KV_SHARE = 0.8
@@ -216,7 +218,9 @@ class ModelRunner:
             result.sampled_token_ids[item.request.request_id] = token_id
         lp = sampler_out.logprobs
         if lp is not None:
-            ids, values, ranks = lp.token_ids.tolist(), lp.logprobs.tolist(), lp.ranks.tolist()
+            # A grammar's banned tokens have logprob -inf, which JSON cannot carry: clamped as vLLM does.
+            values = lp.logprobs.clamp(min=LOGPROB_FLOOR).tolist()
+            ids, ranks = lp.token_ids.tolist(), lp.ranks.tolist()
             for i, item in enumerate(items):
                 n = item.request.sampling_params.logprobs
                 if n is None:

@@ -11,13 +11,12 @@ schema_check.py refuses those.
 
 from __future__ import annotations
 
-import copy
 import json
 import re
 from typing import TYPE_CHECKING, Any, Iterable
 
 from pagedserve.structured_output.params import StructuredOutputsParams
-from pagedserve.structured_output.schema_check import check_json_schema, subschemas
+from pagedserve.structured_output.schema_check import check_json_schema
 
 if TYPE_CHECKING:
     import xgrammar
@@ -25,6 +24,9 @@ if TYPE_CHECKING:
 MAX_WHITESPACE = 8
 """Most whitespace characters between two JSON elements (xgrammar's max_whitespace_cnt): enough to pretty-print
 three levels deep at indent 2, too few for a model to loop on spaces."""
+
+CACHE_LIMIT_BYTES = 256 << 20
+"""Memory xgrammar may keep for compiled grammars (its default is no limit)."""
 
 _LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
 
@@ -44,31 +46,27 @@ def choice_ebnf(choices: Iterable[str]) -> str:
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 
-_BOUNDED_STRING = r'^[^"\\\x00-\x1f\ud800-\udfff]{%d,%s}$'
-"""A string's characters, for a pattern: no quote, backslash, control character or surrogate."""
+# xgrammar 0.2.9's JSON-string character classes, as its grammar prints them, and what they must be: bounded
+# strings (min/maxLength) allow raw control characters, which JSON forbids, and every string allows UTF-8
+# encoded surrogates, which are not UTF-8 (both measured: a random model wrote '"\\x1a..."', which json.loads
+# refuses, and ED A0 80, which decodes to three U+FFFD and breaks maxLength).
+_STRING_CLASSES = ((r'[^\"\\\r\n]', r'[^\0-\x1f\"\\\ud800-\udfff]'),
+                   (r'[^\0-\x1f\"\\\r\n]', r'[^\0-\x1f\"\\\ud800-\udfff]'))
 
 
-def xgrammar_schema(schema: Any) -> str:
-    """narrow_schema(schema) as JSON text."""
-    return json.dumps(narrow_schema(schema))
+def json_schema_ebnf(schema: Any, compact: bool = False, **options) -> str:
+    """The schema as xgrammar's grammar (EBNF text), with its JSON-string character classes corrected.
+    `compact`: no optional whitespace (else at most MAX_WHITESPACE per gap)."""
+    import xgrammar as xgr
+
+    text = str(xgr.Grammar.from_json_schema(json.dumps(schema), **_json_options(compact), **options))
+    for wrong, right in _STRING_CLASSES:
+        text = text.replace(wrong, right)
+    return text
 
 
-def narrow_schema(schema: Any) -> Any:
-    """The schema as handed to xgrammar. Strings with minLength/maxLength become the same length bounds on a
-    pattern: xgrammar 0.2.9 lets such strings hold raw control characters, which JSON forbids, and UTF-8
-    encoded surrogates, which are not UTF-8 (both measured: a random model wrote '"\\x1a..."', which
-    json.loads refuses, and ED A0 80, which decodes to three U+FFFD and breaks maxLength). Such strings then
-    hold no escapes either: a subset of what the schema allows, never more."""
-    schema = copy.deepcopy(schema)
-    for _, node in subschemas(schema, "#"):
-        if (node.get("type") == "string" and ("minLength" in node or "maxLength" in node)
-                and "pattern" not in node and "format" not in node):
-            node["pattern"] = _BOUNDED_STRING % (node.pop("minLength", 0), node.pop("maxLength", ""))
-    return schema
-
-
-def _json_options(params: StructuredOutputsParams) -> dict:
-    if params.disable_any_whitespace:
+def _json_options(compact: bool) -> dict:
+    if compact:
         return {"any_whitespace": False}
     return {"any_whitespace": True, "max_whitespace_cnt": MAX_WHITESPACE}
 
@@ -82,7 +80,7 @@ def validate(params: StructuredOutputsParams) -> None:
     try:
         if kind == "json":
             check_json_schema(params.schema)
-            xgr.Grammar.from_json_schema(xgrammar_schema(params.schema), **_json_options(params))
+            xgr.Grammar.from_ebnf(json_schema_ebnf(params.schema, params.disable_any_whitespace))
         elif kind == "regex":
             xgr.Grammar.from_regex(params.regex)
         elif kind == "grammar":
@@ -126,7 +124,8 @@ class GrammarCompiler:
 
         self.vocab_size = vocab_size
         info = _tokenizer_info(tokenizer, vocab_size, sorted(stop_token_ids))
-        self._compiler = xgr.GrammarCompiler(info, max_threads=max_threads, cache_enabled=True)
+        self._compiler = xgr.GrammarCompiler(info, max_threads=max_threads, cache_enabled=True,
+                                             cache_limit_bytes=CACHE_LIMIT_BYTES)
 
     def compile(self, params: StructuredOutputsParams) -> "xgrammar.CompiledGrammar":
         """ValueError naming the problem when the constraint cannot be compiled."""
@@ -135,9 +134,11 @@ class GrammarCompiler:
         compiler, kind = self._compiler, params.kind
         try:
             if kind == "json":
-                return compiler.compile_json_schema(xgrammar_schema(params.schema), **_json_options(params))
+                ebnf = json_schema_ebnf(params.schema, params.disable_any_whitespace)
+                return compiler.compile_grammar(xgr.Grammar.from_ebnf(ebnf))
             if kind == "json_object":
-                return compiler.compile_json_schema('{"type": "object"}', strict_mode=False, **_json_options(params))
+                ebnf = json_schema_ebnf({"type": "object"}, params.disable_any_whitespace, strict_mode=False)
+                return compiler.compile_grammar(xgr.Grammar.from_ebnf(ebnf))
             if kind == "regex":
                 return compiler.compile_regex(params.regex)
             if kind == "choice":

@@ -35,11 +35,16 @@ _SCHEMAS = ("items", "additionalProperties", "not", "if", "then", "else", "conta
             "unevaluatedProperties", "unevaluatedItems", "additionalItems")
 
 
+MAX_DEPTH = 32
+"""Deepest nesting of objects and arrays a schema may have (deeper ones are refused, not recursed into)."""
+
+
 def check_json_schema(schema: Any) -> None:
     """ValueError naming the problem when `schema` is not a valid JSON schema (draft 2020-12) or uses a
     keyword the engine would not enforce."""
     import jsonschema
 
+    _check_depth(schema)
     try:
         jsonschema.Draft202012Validator.check_schema(schema)
     except jsonschema.SchemaError as e:
@@ -53,6 +58,7 @@ def check_json_schema(schema: Any) -> None:
         if fmt is not None and fmt not in FORMATS:
             raise ValueError(f"JSON schema format '{fmt}' at {path} is not supported (supported: "
                              f"{', '.join(sorted(FORMATS))})")
+        _check_combinations(node, path)
         if len(node.get("allOf", ())) > 1:
             raise ValueError(f"JSON schema 'allOf' with more than one subschema at {path} is not supported: "
                              "only the first would be enforced")
@@ -60,6 +66,33 @@ def check_json_schema(schema: Any) -> None:
             raise ValueError(f"JSON schema 'oneOf' at {path} is not supported unless its branches exclude each "
                              "other (distinct types, or a property with a distinct const in each): exactly-one "
                              "is not enforced; use anyOf")
+
+
+def _check_depth(schema: Any) -> None:
+    stack = [(schema, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise ValueError(f"JSON schema nests deeper than {MAX_DEPTH} levels")
+        children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else ()
+        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
+
+
+def _check_combinations(node: dict, path: str) -> None:
+    """Keyword combinations xgrammar drops a part of (each measured): length bounds beside a pattern or a
+    format, or on anything but a plain string; multipleOf on non-integers; required names no property has."""
+    lengths = [k for k in ("minLength", "maxLength") if k in node]
+    if lengths and node.get("type") != "string":
+        raise ValueError(f"JSON schema '{lengths[0]}' at {path} is supported only with \"type\": \"string\"")
+    if lengths and ("pattern" in node or "format" in node):
+        raise ValueError(f"JSON schema '{lengths[0]}' at {path} is not enforced together with "
+                         f"'{'pattern' if 'pattern' in node else 'format'}'")
+    if "multipleOf" in node and node.get("type") != "integer":
+        raise ValueError(f"JSON schema 'multipleOf' at {path} is enforced only for \"type\": \"integer\"")
+    properties = node.get("properties") if isinstance(node.get("properties"), dict) else {}
+    missing = [name for name in node.get("required", ()) if name not in properties]
+    if missing and node.get("additionalProperties") is not True:
+        raise ValueError(f"JSON schema at {path} requires {missing[0]!r}, which is not in its properties")
 
 
 def subschemas(node: Any, path: str) -> Iterator[tuple[str, dict]]:

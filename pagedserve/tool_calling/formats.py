@@ -14,7 +14,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Optional
 
-from pagedserve.structured_output.grammar import MAX_WHITESPACE, narrow_schema
+from pagedserve.structured_output.grammar import json_schema_ebnf
 from pagedserve.tool_calling.tools import Tool
 
 
@@ -51,8 +51,7 @@ class ToolCallFormat:
     def tag(self, tool: Tool) -> dict:
         """xgrammar's structural-tag format of a call of `tool` (its arguments checked against its schema)."""
         return {"type": "tag", "begin": self._begin(tool.name),
-                "content": {"type": "json_schema", "json_schema": narrow_schema(tool.parameters),
-                            "max_whitespace_cnt": MAX_WHITESPACE},
+                "content": {"type": "grammar", "grammar": json_schema_ebnf(tool.parameters), "syntax": "ebnf"},
                 "end": self._end}
 
     def _begin(self, name: str) -> str:
@@ -118,9 +117,9 @@ class HermesFormat(ToolCallFormat):
             except json.JSONDecodeError:
                 obj = None
             if not isinstance(obj, dict) or not self._call(obj, calls, ids):
-                if final:  # not a call after all: the text stays content
+                if final and not calls:  # not a call after all: the text stays content
                     return Parsed(text, [])
-                break
+                break  # a broken call after complete ones (cut by max_tokens): the complete ones stand
             position = text.find(self.trigger, end + len(self._close)) if end >= 0 else -1
         return Parsed(text[:start].rstrip(), calls)
 
@@ -143,7 +142,9 @@ class Llama3JsonFormat(ToolCallFormat):
                     return Parsed(body, [])
                 break
             if not isinstance(obj, dict) or not self._call(obj, calls, ids):
-                return Parsed(body, []) if final else Parsed(body[:start].rstrip(), calls)
+                if final and not calls:
+                    return Parsed(body, [])
+                break
             while position < len(body) and body[position] in " ;\n":
                 position += 1
         return Parsed(body[:start].rstrip(), calls)

@@ -53,6 +53,8 @@ def check_tools(tools: list[dict]) -> list[Tool]:
             check_json_schema(parameters)
         except ValueError as e:
             raise ToolError(f"{where}: {e}", where) from None
+        # Arguments are always an object: a schema that leaves the type out (or is {}) says so explicitly.
+        parameters = {"type": "object", "properties": {}, **parameters}
         out.append(Tool(name, function.get("description"), parameters))
     return out
 

@@ -3,6 +3,7 @@ what it enforces passes; invalid schemas are refused by the meta-schema."""
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -34,6 +35,12 @@ def test_property_names_that_look_like_keywords_are_not_keywords():
     ({"oneOf": [INTEGER, {"type": "number"}]}, "oneOf"),
     ({"type": "strnig"}, "invalid JSON schema at #/type"),
     ({"type": "object", "required": "a"}, "invalid JSON schema at #/required"),
+    ({"type": "number", "multipleOf": 0.5}, "multipleOf"),
+    ({"type": "string", "maxLength": 3, "pattern": "^a+$"}, "maxLength' at # is not enforced together"),
+    ({"type": ["string", "null"], "minLength": 2}, "minLength' at # is supported only"),
+    ({"maxLength": 2}, "maxLength' at # is supported only"),
+    ({"type": "object", "properties": {"a": INTEGER}, "required": ["b"]}, "requires 'b'"),
+    (json.loads('{"a": ' * 40 + '{}' + '}' * 40), "nests deeper than 32"),
 ])
 def test_other_unenforced_or_invalid_schemas_are_refused(schema, match):
     with pytest.raises(ValueError, match=match):
@@ -83,3 +90,24 @@ def test_special_tokens_other_than_the_stop_tokens_are_never_allowed(tiny_llama_
     assert matcher.accept_string("<abc>")
     matcher.fill_next_token_bitmask(bitmask, 0)
     assert (int(bitmask[0, tokenizer.eos_token_id // 32]) >> (tokenizer.eos_token_id % 32)) & 1  # stop: allowed
+
+
+def test_json_strings_never_hold_control_characters_or_surrogates(tiny_llama_dir):
+    # xgrammar's own string classes allow both (bounded strings: control characters; all: UTF-8 surrogates).
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    compiler = grammar.GrammarCompiler(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+    schema = {"type": "object", "properties": {"short": {"type": "string", "maxLength": 4000},
+                                               "free": {"type": "string"}},
+              "required": ["short", "free"], "additionalProperties": False}
+    compiled = compiler.compile(StructuredOutputsParams(json=schema, disable_any_whitespace=True))
+
+    def accepts(value: bytes) -> bool:
+        matcher = grammar.new_matcher(compiled)
+        return matcher.accept_string(value) and matcher.is_completed()
+
+    assert accepts(b'{"short": "caf\xc3\xa9", "free": "a\\nb"}')
+    for bad in (b"\x1a", b"\xed\xa0\x80"):
+        assert not accepts(b'{"short": "' + bad + b'", "free": "x"}')
+        assert not accepts(b'{"short": "x", "free": "' + bad + b'"}')

@@ -71,3 +71,11 @@ def test_auto_admits_text_and_completes_a_started_call_under_the_grammar(compile
     assert not matcher.accept_string("\nnot a call")  # ...so free text is over: only a valid call may follow
     assert matcher.accept_string('\n{"name": "get_time", "arguments": {"zone": 1}}\n</tool_call>')
     assert tool_constraint(TOOLS, ToolChoice("none"), fmt) is None
+
+
+def test_a_tool_without_parameters_takes_an_empty_object_only(compiler):
+    fmt = FORMATS["hermes"]
+    bare = check_tools([{"type": "function", "function": {"name": "ping", "parameters": {}}}])
+    constraint = tool_constraint(bare, ToolChoice("required"), fmt)
+    assert accepts(compiler, constraint, call(fmt, "ping", {}))
+    assert not accepts(compiler, constraint, fmt.render_call("ping", '"x"'))

@@ -29,6 +29,8 @@ def test_hermes_calls_and_the_content_before_them():
     assert HERMES.parse("No tools needed.").calls == []
     broken = 'x <tool_call>\n{"name": "get_weather", "arguments": {"city": '
     assert HERMES.parse(broken).content == broken and not HERMES.parse(broken).calls  # cut by max_tokens: text
+    cut = HERMES.parse(text + "\n" + broken[2:])  # complete calls, then one cut off: the complete ones stand
+    assert [json.loads(c.arguments)["city"] for c in cut.calls] == ["Paris", "Oslo"] and cut.content == "Let me check."
 
 
 def test_llama3_json_calls_with_parameters_or_arguments():

@@ -40,6 +40,7 @@ class StructuredOutputsField(BaseModel):
     choice: Optional[list[str]] = None
     grammar: Optional[str] = None
     json_object: Optional[bool] = None
+    structural_tag: Optional[str] = None
     disable_any_whitespace: bool = False
 
 

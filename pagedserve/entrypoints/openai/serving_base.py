@@ -118,31 +118,41 @@ class ServingBase:
             raise OpenAIError(f"stop takes at most {MAX_STOP} strings of at most {MAX_STOP_LENGTH} characters",
                               400, param="stop")
 
-    def structured_outputs(self, body) -> Optional[StructuredOutputsParams]:
+    async def structured_outputs(self, body) -> Optional[StructuredOutputsParams]:
         """The request's constraint, from OpenAI's `response_format` or vLLM's `structured_outputs` (one of
-        them), checked as the engine will compile it: 400 naming the field when it cannot be served."""
+        them), checked as the engine will compile it: 400 naming the field when it cannot be served. The check
+        runs off the event loop, within the compile time limit (a huge regex takes seconds to expand)."""
+        param = "response_format" if body.structured_outputs is None else "structured_outputs"
+        try:
+            constraint = self._constraint_of(body)
+            if constraint is None:
+                return None
+            limit = self.async_llm.config.structured_outputs_config.structured_outputs_compile_timeout
+            check = self.async_llm.input_processor.check_structured_outputs
+            await asyncio.wait_for(asyncio.to_thread(check, constraint), limit)
+        except asyncio.TimeoutError:
+            raise OpenAIError(f"{param} took longer than {limit:g} s to check (structured_outputs_compile_timeout)",
+                              400, param=param) from None
+        except (ValueError, RecursionError) as e:
+            raise OpenAIError(str(e), 400, param=param) from None
+        return constraint
+
+    @staticmethod
+    def _constraint_of(body) -> Optional[StructuredOutputsParams]:
         fmt, so = body.response_format, body.structured_outputs
         if fmt is not None and fmt.type != "text" and so is not None:
             raise OpenAIError("give response_format or structured_outputs, not both", 400, param="structured_outputs")
-        param = "structured_outputs"
-        try:
-            if so is not None:
-                constraint = StructuredOutputsParams(
-                    json=so.json_schema, regex=so.regex, choice=so.choice, grammar=so.grammar,
-                    json_object=so.json_object, disable_any_whitespace=so.disable_any_whitespace)
-            elif fmt is None or fmt.type == "text":
-                return None
-            elif fmt.type == "json_object":
-                param, constraint = "response_format", StructuredOutputsParams(json_object=True)
-            else:
-                param = "response_format"
-                if fmt.json_schema is None or fmt.json_schema.json_schema is None:
-                    raise ValueError("response_format of type json_schema needs json_schema.schema")
-                constraint = StructuredOutputsParams(json=fmt.json_schema.json_schema)
-            self.async_llm.input_processor.check_structured_outputs(constraint)
-        except ValueError as e:
-            raise OpenAIError(str(e), 400, param=param) from None
-        return constraint
+        if so is not None:
+            return StructuredOutputsParams(
+                json=so.json_schema, regex=so.regex, choice=so.choice, grammar=so.grammar, json_object=so.json_object,
+                structural_tag=so.structural_tag, disable_any_whitespace=so.disable_any_whitespace)
+        if fmt is None or fmt.type == "text":
+            return None
+        if fmt.type == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if fmt.json_schema is None or fmt.json_schema.json_schema is None:
+            raise ValueError("response_format of type json_schema needs json_schema.schema")
+        return StructuredOutputsParams(json=fmt.json_schema.json_schema)
 
     def sampling_params(self, body, max_tokens: int, logprobs: Optional[int],
                         rename: Optional[dict[str, str]] = None,

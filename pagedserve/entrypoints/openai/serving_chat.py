@@ -85,8 +85,8 @@ class ServingChat(ServingBase):
                               param="tool_choice")
         return _Tools(tools, choice)
 
-    def _constraint(self, body: ChatCompletionRequest, tools: _Tools):
-        constraint = self.structured_outputs(body)
+    async def _constraint(self, body: ChatCompletionRequest, tools: _Tools):
+        constraint = await self.structured_outputs(body)
         if not tools.parsed:
             return constraint
         if constraint is not None:
@@ -109,7 +109,7 @@ class ServingChat(ServingBase):
         else:
             max_tokens = self.max_tokens_for(len(ids), body.max_tokens)
         params = self.sampling_params(body, max_tokens, logprobs, rename={"logprobs": "top_logprobs"},
-                                      structured_outputs=self._constraint(body, tools))
+                                      structured_outputs=await self._constraint(body, tools))
         ctx = request_context(http)
         priority = self.request_priority(ctx, body.priority)
         if self.config.log_requests:

@@ -39,7 +39,7 @@ class ServingCompletion(ServingBase):
                               param="echo")
         self.check_common(body, body.logprobs, "logprobs")
         prompts = self._prompts(body.prompt)
-        constraint = self.structured_outputs(body)
+        constraint = await self.structured_outputs(body)
         params = [self.sampling_params(body, self.max_tokens_for(len(ids), body.max_tokens), body.logprobs,
                                        structured_outputs=constraint)
                   for _, ids in prompts]

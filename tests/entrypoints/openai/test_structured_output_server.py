@@ -84,3 +84,14 @@ def test_bad_constraints_are_400_naming_the_field_and_the_server_keeps_serving(s
     assert ok.status_code == 200
     server.wait_idle()
     assert_no_leaked_blocks(server.engine)
+
+
+def test_logprobs_of_a_constrained_request_are_json_numbers(server):
+    # The grammar bans most tokens (-inf); the response must still be JSON, so they are floored at -9999.
+    body = {"model": MODEL_NAME, "messages": MESSAGES, "max_tokens": 5, "logprobs": True, "top_logprobs": 5,
+            "structured_outputs": {"choice": ["yes", "no"]}}
+    r = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=30)
+    assert r.status_code == 200, r.text
+    tokens = r.json()["choices"][0]["logprobs"]["content"]
+    assert tokens and all(t["logprob"] >= -9999 for t in tokens)
+    assert min(top["logprob"] for t in tokens for top in t["top_logprobs"]) == -9999.0
