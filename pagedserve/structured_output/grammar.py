@@ -2,10 +2,10 @@
 compiled for one tokenizer (engine core), and matchers over compiled grammars.
 
 xgrammar over llguidance, measured on the default model's tokenizer (docs/benchmarks.md, "Structured
-output"): computing a row's token mask took 0.007 ms a token on average with xgrammar (its masks are
-precomputed at compile time) against 0.14 ms with llguidance (2.4 ms at worst), which at 16 constrained rows
-would cost llguidance ~8% of a 28 ms decode step; xgrammar's cold compile (12 ms for a nested schema, 0.1 ms
-cached) is paid once per schema, off the step loop. xgrammar ignores some JSON-schema keywords silently:
+output", benchmarks/grammar_backends.py): computing a row's token mask took 0.010 ms a token on average with
+xgrammar (its masks are precomputed at compile time) against 0.12 ms with llguidance (2.3 ms at worst), which at
+16 constrained rows would cost llguidance ~2 ms of a ~28 ms decode step; xgrammar's cold compile (15 ms for a
+nested schema) is paid once per schema, off the step loop. xgrammar ignores some JSON-schema keywords silently:
 schema_check.py refuses those.
 """
 
