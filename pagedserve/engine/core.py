@@ -203,8 +203,9 @@ class EngineCore:
                 self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
 
     def _check_compiling(self, idle: bool) -> None:
-        """Reject waiting requests whose grammar failed or timed out. When the step ran nothing (everything
-        waits on grammars), sleep until a compilation ends rather than spin."""
+        """Reject waiting requests whose grammar failed or timed out, and drop queued compilations no waiting
+        request needs any more (aborted). When the step ran nothing (everything waits on grammars), sleep until
+        a compilation ends rather than spin."""
         compiling = [r for r in self.scheduler.waiting if r.structured_output is not None
                      and r.structured_output.matcher is None]
         for request in compiling:
@@ -213,6 +214,7 @@ class EngineCore:
                 self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_ABORTED)
                 self._rejected.append((request.request_id, error))
         pending = [r.structured_output for r in compiling if not r.is_finished]
+        self._structured_output.cancel_unused({state.future for state in pending})
         if idle and pending:
             self._structured_output.wait(pending, timeout=0.05)
 

@@ -81,6 +81,14 @@ class StructuredOutputManager:
         logger.debug("compiled structured_outputs.%s in %.1f ms", params.kind, 1e3 * (time.perf_counter() - start))
         return compiled
 
+    def cancel_unused(self, in_use: set) -> int:
+        """Cancel the queued (not yet started) compilations whose future is not in `in_use`: their requests
+        were aborted, and they would only delay the compilations behind them. Returns how many."""
+        cancelled = [key for key, future in self._grammars.items() if future not in in_use and future.cancel()]
+        for key in cancelled:
+            del self._grammars[key]
+        return len(cancelled)
+
     def failure(self, state: StructuredOutputRequest) -> Optional[ValueError]:
         """Why a waiting request's grammar will never be ready (failed, or past the time limit), or None."""
         if state.future.done():

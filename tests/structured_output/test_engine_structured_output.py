@@ -203,3 +203,27 @@ def test_chunked_prefill_gives_the_constrained_output_of_one_step_prefill(tiny_l
 def test_min_tokens_with_a_constraint_is_refused_naming_it():
     with pytest.raises(ValueError, match="min_tokens cannot be combined with structured_outputs"):
         SamplingParams(min_tokens=5, structured_outputs=StructuredOutputsParams(choice=["a"]))
+
+
+def test_an_aborted_requests_queued_compilation_is_dropped(tiny_llama_dir, monkeypatch):
+    llm = LLM(tiny_llama_dir, dtype="float32", kv_cache_memory_bytes=1 << 23, max_model_len=256)
+    original = GrammarCompiler.compile
+
+    def slow_for_regex(self, constraint):
+        if constraint.kind == "regex":
+            time.sleep(0.5)
+        return original(self, constraint)
+
+    monkeypatch.setattr(GrammarCompiler, "compile", slow_for_regex)
+    engine = llm.engine
+    engine.add_request("slow", "hi", params(0, 0.0, StructuredOutputsParams(regex="[0-9]+"), max_tokens=4))
+    engine.add_request("aborted", "hi", params(0, 0.0, StructuredOutputsParams(regex="[a-z]+"), max_tokens=4))
+    engine.add_request("next", "hi", params(0, 0.0, StructuredOutputsParams(choice=["x", "y"]), max_tokens=4))
+    queued = engine.core.scheduler.requests["aborted"].structured_output.future
+    engine.abort_request("aborted")
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    assert queued.cancelled()  # never compiled: nothing waited for it
+    assert set(done) == {"slow", "next"} and done["next"].outputs[0].text in ("x", "y")
+    assert_no_leaked_blocks(engine)
