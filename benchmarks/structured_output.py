@@ -3,7 +3,8 @@ constrained to a JSON schema against none, on the default model.
 
 1. Compile: the tokenizer tables (once per engine), then each schema cold (first time) and cached.
 2. Mask cost per step at 1, 16 and 64 constrained rows: filling the rows' bitmask from their matchers (each
-   part-way into a JSON document) and applying it to the logits, as a step does.
+   part-way into a JSON document) and applying it to the logits, as a step does; and applying alone at 16 rows
+   with the C kernel, with torch (the fallback) and with xgrammar's apply_token_bitmask_inplace.
 3. Throughput: --num-requests chat requests asking for a JSON list, --max-num-seqs at a time, greedy,
    --output-len tokens at most, all under a JSON schema vs none (free requests ignore EOS so that both write
    about as many tokens); cases interleaved, median of --repeats.
@@ -26,7 +27,8 @@ from pagedserve.benchmarks.cpu_kind import cpu_kind
 from pagedserve.config import StructuredOutputsConfig
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.structured_output import StructuredOutputsParams
-from pagedserve.structured_output.bitmask import apply_grammar_bitmask
+from pagedserve.kernels import token_bitmask
+from pagedserve.structured_output.bitmask import apply_grammar_bitmask, apply_with_torch
 from pagedserve.structured_output.grammar import GrammarCompiler
 from pagedserve.structured_output.manager import StructuredOutputManager
 
@@ -64,8 +66,8 @@ class _Row:  # what StructuredOutputManager.bitmask reads of a request
         self.request_id, self.structured_output = request_id, state
 
 
-def mask_cost(tokenizer, vocab: int, eos, rows: int, steps: int = 50) -> float:
-    """Mean ms per step to fill and apply the bitmask of `rows` constrained rows."""
+def _constrained_rows(tokenizer, vocab: int, eos, rows: int):
+    """(manager, `rows` requests part-way into a city-list document, their ids)."""
     manager = StructuredOutputManager(StructuredOutputsConfig(), lambda: tokenizer, vocab, eos)
     states = [manager.submit(StructuredOutputsParams(json=LIST_SCHEMA)) for _ in range(rows)]
     prefix = tokenizer.encode(PREFIX, add_special_tokens=False)
@@ -76,13 +78,41 @@ def mask_cost(tokenizer, vocab: int, eos, rows: int, steps: int = 50) -> float:
         for token in prefix[:len(prefix) - (i % 5)]:  # rows at slightly different places
             assert state.matcher.accept_token(token)
         requests.append(_Row(str(i), state))
+    return manager, requests, [r.request_id for r in requests]
+
+
+def mask_cost(tokenizer, vocab: int, eos, rows: int, steps: int = 50) -> float:
+    """Mean ms per step to fill and apply the bitmask of `rows` constrained rows."""
+    manager, requests, ids = _constrained_rows(tokenizer, vocab, eos, rows)
     logits = torch.randn(rows, vocab, dtype=torch.bfloat16)
-    ids = [r.request_id for r in requests]
     start = time.perf_counter()
     for _ in range(steps):
         apply_grammar_bitmask(logits, ids, manager.bitmask(requests))
     manager.shutdown()
     return 1000 * (time.perf_counter() - start) / steps
+
+
+def apply_costs(tokenizer, vocab: int, eos, rows: int = 16, steps: int = 50) -> list[tuple[str, float]]:
+    """Mean ms to apply one step's bitmask of `rows` rows to bf16 logits, by each way of doing it."""
+    import xgrammar as xgr
+
+    manager, requests, _ = _constrained_rows(tokenizer, vocab, eos, rows)
+    bitmask = manager.bitmask(requests).bitmask
+    manager.shutdown()
+    logits, all_rows = torch.randn(rows, vocab, dtype=torch.bfloat16), list(range(rows))
+    ways = [("torch (unpack bits, masked_fill)", lambda: apply_with_torch(logits, bitmask, all_rows)),
+            ("xgrammar apply_token_bitmask_inplace", lambda: xgr.apply_token_bitmask_inplace(logits, bitmask))]
+    if token_bitmask.applies(logits):
+        ways.insert(0, ("C kernel (kernels/csrc/token_bitmask.c)",
+                        lambda: token_bitmask.apply_token_bitmask(logits, bitmask, all_rows)))
+    out = []
+    for name, apply in ways:
+        apply()  # warm up (builds the C library once)
+        start = time.perf_counter()
+        for _ in range(steps):
+            apply()
+        out.append((name, 1000 * (time.perf_counter() - start) / steps))
+    return out
 
 
 def run_case(engine: LLMEngine, args, constrained: bool, seed: int) -> dict:
@@ -114,6 +144,7 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--skip-throughput", action="store_true", help="only the compile and mask tables")
     args = p.parse_args()
     engine = LLMEngine.from_kwargs(model=args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
                                    max_model_len=512)
@@ -124,6 +155,11 @@ def main() -> None:
     print("\n| constrained rows | mask fill + apply, ms per step |\n|---|---|")
     for rows in (1, 16, 64):
         print(f"| {rows} | {mask_cost(tokenizer, vocab, eos, rows):.3f} |")
+    print("\n| applying 16 rows' bitmask (bf16 logits) | ms |\n|---|---|")
+    for name, ms in apply_costs(tokenizer, vocab, eos):
+        print(f"| {name} | {ms:.3f} |")
+    if args.skip_throughput:
+        return
     run_case(engine, argparse.Namespace(**{**vars(args), "num_requests": 4, "output_len": 8}), True, -1)  # warm up
     runs: dict[bool, list[dict]] = {False: [], True: []}
     for repeat in range(args.repeats):

@@ -49,6 +49,7 @@ class EngineCore:
                                    max_loras=lora_config.max_loras if lora_config.enable_lora else 0)
         self._structured_output: Optional[StructuredOutputManager] = None  # made on the first constrained request
         self._rejected: list[tuple[str, ValueError]] = []
+        self._compiling: list[Request] = []  # admitted requests whose grammar is not compiled yet
         self.info = CoreInfo(max_model_len, self.loaded.hf_config.vocab_size, self.loaded.eos_token_ids,
                              self.runner.num_blocks, block_size, self.runner.bytes_per_block)
         logger.info("KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB); max_model_len=%d",
@@ -80,9 +81,9 @@ class EngineCore:
         try:
             for child in children:
                 self._bind_lora(child)
-                self._bind_structured_output(child)
                 self.scheduler.add_request(child)
                 added.append(child.request_id)
+                self._bind_structured_output(child)  # once queued: a refused add leaves no compile behind
         except ValueError:
             self.scheduler.finish_requests(added, RequestStatus.FINISHED_ABORTED)
             raise
@@ -145,6 +146,7 @@ class EngineCore:
                                                               self._tokenizer, self.info.vocab_size,
                                                               self.loaded.eos_token_ids)
         request.structured_output = self._structured_output.submit(params)
+        self._compiling.append(request)
 
     def _tokenizer(self):
         """The model's tokenizer for the grammar compiler. Under a server the core loads none (the front end
@@ -206,14 +208,15 @@ class EngineCore:
         """Reject waiting requests whose grammar failed or timed out, and drop queued compilations no waiting
         request needs any more (aborted). When the step ran nothing (everything waits on grammars), sleep until
         a compilation ends rather than spin."""
-        compiling = [r for r in self.scheduler.waiting if r.structured_output is not None
-                     and r.structured_output.matcher is None]
+        # Only the requests still compiling are looked at: the waiting queue is never walked per step.
+        compiling = [r for r in self._compiling if not r.is_finished and not r.grammar_ready]
         for request in compiling:
             error = self._structured_output.failure(request.structured_output)
             if error is not None:
                 self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_ABORTED)
                 self._rejected.append((request.request_id, error))
-        pending = [r.structured_output for r in compiling if not r.is_finished]
+        self._compiling = [r for r in compiling if not r.is_finished]
+        pending = [r.structured_output for r in self._compiling]
         self._structured_output.cancel_unused({state.future for state in pending})
         if idle and pending:
             self._structured_output.wait(pending, timeout=0.05)

@@ -19,7 +19,12 @@ def apply_grammar_bitmask(logits: torch.Tensor, request_ids: list[str], grammar:
     bitmask = grammar.bitmask[[grammar.rows[request_ids[i]] for i in rows]]
     if token_bitmask.applies(logits):
         token_bitmask.apply_token_bitmask(logits, bitmask, rows)
-        return
+    else:
+        apply_with_torch(logits, bitmask, rows)
+
+
+def apply_with_torch(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+    """The same in torch (any device or dtype): row rows[i] of logits gets bitmask[i]."""
     vocab = logits.shape[1]
     allowed = ((bitmask.to(logits.device).unsqueeze(-1) >> _SHIFTS.to(logits.device)) & 1).view(len(rows), -1)
     index = torch.tensor(rows, device=logits.device)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Optional
 
@@ -41,7 +42,7 @@ class Parsed:
     """Calls complete so far, in order."""
 
 
-class ToolCallFormat:
+class ToolCallFormat(ABC):
     name: str
     trigger: str
     """Text that starts every call."""
@@ -68,10 +69,10 @@ class ToolCallFormat:
             value = arguments
         return self._begin(name) + json.dumps(value, ensure_ascii=False) + self._end
 
+    @abstractmethod
     def parse(self, text: str, final: bool = True, ids: Optional[list[str]] = None) -> Parsed:
         """The content and the calls of a text (`final`: the whole output; else a prefix, whose content stops
         where a call may still begin). `ids` are the ids to give the first calls (kept while streaming)."""
-        raise NotImplementedError
 
     def _call(self, obj: dict, calls: list[ToolCall], ids: Optional[list[str]]) -> bool:
         arguments = obj.get("arguments", obj.get("parameters"))

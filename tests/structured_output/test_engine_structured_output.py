@@ -156,17 +156,22 @@ def test_a_constraint_the_library_refuses_is_a_value_error_and_queues_nothing(ll
     assert_no_leaked_blocks(llm.engine)
 
 
-def test_a_compilation_past_the_time_limit_fails_that_request_alone(tiny_llama_dir, monkeypatch):
-    llm = LLM(tiny_llama_dir, dtype="float32", kv_cache_memory_bytes=1 << 23, max_model_len=256,
-              structured_outputs_compile_timeout=0.3)
+def slow_regex_compiles(monkeypatch, seconds: float) -> None:
+    """Make every regex constraint take `seconds` to compile."""
     original = GrammarCompiler.compile
 
     def slow_for_regex(self, constraint):
         if constraint.kind == "regex":
-            time.sleep(1.0)
+            time.sleep(seconds)
         return original(self, constraint)
 
     monkeypatch.setattr(GrammarCompiler, "compile", slow_for_regex)
+
+
+def test_a_compilation_past_the_time_limit_fails_that_request_alone(tiny_llama_dir, monkeypatch):
+    llm = LLM(tiny_llama_dir, dtype="float32", kv_cache_memory_bytes=1 << 23, max_model_len=256,
+              structured_outputs_compile_timeout=0.3)
+    slow_regex_compiles(monkeypatch, 1.0)
     engine = llm.engine
     engine.add_request("free", "hello", SamplingParams(temperature=0, max_tokens=30))
     engine.add_request("slow", "hello", params(0, 0.0, StructuredOutputsParams(regex="[0-9]+")))
@@ -207,14 +212,7 @@ def test_min_tokens_with_a_constraint_is_refused_naming_it():
 
 def test_an_aborted_requests_queued_compilation_is_dropped(tiny_llama_dir, monkeypatch):
     llm = LLM(tiny_llama_dir, dtype="float32", kv_cache_memory_bytes=1 << 23, max_model_len=256)
-    original = GrammarCompiler.compile
-
-    def slow_for_regex(self, constraint):
-        if constraint.kind == "regex":
-            time.sleep(0.5)
-        return original(self, constraint)
-
-    monkeypatch.setattr(GrammarCompiler, "compile", slow_for_regex)
+    slow_regex_compiles(monkeypatch, 0.5)
     engine = llm.engine
     engine.add_request("slow", "hi", params(0, 0.0, StructuredOutputsParams(regex="[0-9]+"), max_tokens=4))
     engine.add_request("aborted", "hi", params(0, 0.0, StructuredOutputsParams(regex="[a-z]+"), max_tokens=4))

@@ -209,8 +209,9 @@ def _tool_chunks(chunk, c, choice: _Choice, lps):
     content, calls = choice.tool_stream.feed(c.text, finished)
     if content or lps is not None:
         yield chunk(c.index, {"content": content}, lps=lps)
-    for call in calls:
-        yield from _call_chunks(chunk, c.index, len(choice.tool_stream.calls) - len(calls) + calls.index(call), call)
+    first_index = len(choice.tool_stream.calls) - len(calls)
+    for offset, call in enumerate(calls):
+        yield from _call_chunks(chunk, c.index, first_index + offset, call)
     if finished:
         finish_reason = c.finish_reason
         if choice.tool_stream.calls and finish_reason == "stop":
