@@ -56,7 +56,7 @@ _STRING_CLASSES = ((r'[^\"\\\r\n]', r'[^\0-\x1f\"\\\ud800-\udfff]'),
 
 def json_schema_ebnf(schema: Any, compact: bool = False, **options) -> str:
     """The schema as xgrammar's grammar (EBNF text), with its JSON-string character classes corrected.
-    `compact`: no optional whitespace (else at most MAX_WHITESPACE per gap)."""
+    `compact`: no optional whitespace, separators exactly ", " and ": " (else at most MAX_WHITESPACE per gap)."""
     import xgrammar as xgr
 
     text = str(xgr.Grammar.from_json_schema(json.dumps(schema), **_json_options(compact), **options))

@@ -17,7 +17,8 @@ class StructuredOutputsParams:
     `structural_tag` (xgrammar's structural tag, as JSON text: free text and tagged, schema-checked parts; tool
     calling builds these).
 
-    `disable_any_whitespace` (vLLM's name): JSON without optional whitespace (compact separators). Otherwise
+    `disable_any_whitespace` (vLLM's name): JSON without optional whitespace (the separators exactly ", " and
+    ": "). Otherwise
     JSON may have whitespace between elements, at most `MAX_WHITESPACE` characters per gap, so a model cannot
     loop on spaces until max_tokens. Invalid values raise ValueError naming the field."""
 

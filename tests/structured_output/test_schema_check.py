@@ -111,3 +111,22 @@ def test_json_strings_never_hold_control_characters_or_surrogates(tiny_llama_dir
     for bad in (b"\x1a", b"\xed\xa0\x80"):
         assert not accepts(b'{"short": "' + bad + b'", "free": "x"}')
         assert not accepts(b'{"short": "x", "free": "' + bad + b'"}')
+
+
+def test_json_whitespace_is_bounded_per_gap_and_absent_when_disabled(tiny_llama_dir):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    compiler = grammar.GrammarCompiler(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+    schema = {"type": "object", "properties": {"a": INTEGER}, "required": ["a"], "additionalProperties": False}
+
+    def accepts(text: str, compact: bool = False) -> bool:
+        matcher = grammar.new_matcher(compiler.compile(StructuredOutputsParams(json=schema,
+                                                                               disable_any_whitespace=compact)))
+        return matcher.accept_string(text) and matcher.is_completed()
+
+    gap = " " * grammar.MAX_WHITESPACE
+    assert accepts('{' + gap + '"a": 1}') and not accepts('{' + gap + ' "a": 1}')
+    # disable_any_whitespace: no optional whitespace, the fixed separators ", " and ": " (xgrammar's, as vLLM)
+    assert accepts('{"a": 1}', compact=True) and not accepts('{ "a": 1}', compact=True)
+    assert not accepts('{"a":  1}', compact=True)
