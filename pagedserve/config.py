@@ -13,6 +13,7 @@ from typing import Optional
 
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 SCHEDULING_POLICIES = ("fcfs", "priority", "fair")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
 
 
 @dataclass(frozen=True)
@@ -45,12 +46,19 @@ class CacheConfig:
     kv_cache_memory_bytes: Optional[int] = None
     """Bytes of memory for the KV cache. Default: a share of free RAM on CPU (25%, at most 4 GiB) or of
     free device memory on CUDA (80%)."""
+    kv_cache_dtype: str = "auto"
+    """KV-cache element type: auto (the model dtype), fp8 (= fp8_e4m3), fp8_e4m3, fp8_e5m2 or int8. The 8-bit
+    types store each token's K and V per head as 8-bit codes with a bfloat16 scale: about 2x the blocks of a
+    bfloat16 cache in the same memory (4x float32)."""
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
             raise ValueError(f"kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                             f"got {self.kv_cache_dtype!r}")
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ Conversation = list[dict]
 
 class LLM:
     """Batch generation on one engine. Keyword arguments are the engine arguments (see EngineConfig):
-    dtype, max_model_len, max_num_seqs, max_num_batched_tokens, block_size, kv_cache_memory_bytes,
+    dtype, max_model_len, max_num_seqs, max_num_batched_tokens, block_size, kv_cache_memory_bytes, kv_cache_dtype,
     enable_lora, max_loras, max_lora_rank, max_cpu_loras, ..."""
 
     def __init__(self, model: Optional[str] = None, **engine_kwargs) -> None:

@@ -6,7 +6,8 @@ with PAGEDSERVE_CPU_ISA):
   AVX-512 BF16 dot products when the CPU has them, else widening by shifts and fp32 FMAs);
 - avx2: AVX2 + FMA for head_dim 64/128 and block_size % 8 == 0, 8 tokens a vector, bf16 widened by shifts;
 - every level, and other shapes: a plain C loop that gcc vectorizes for the level.
-All read the cache in place (attention/kv_layout.py) and accumulate in float32.
+All read the cache in place (attention/kv_layout.py) and accumulate in float32. Caches are float32, bf16 (with
+a query of the same dtype), or 8-bit (int8, float8 e4m3/e5m2 with per-token scales, for either query dtype).
 
 If it cannot be built, `load()` returns None and attention falls back to the torch path;
 PAGEDSERVE_CPU_KERNEL=0 turns it off.
@@ -21,8 +22,13 @@ import torch
 
 from pagedserve.kernels.build import load_library
 
-_FUNCTIONS = {torch.float32: "decode_attention_f32", torch.bfloat16: "decode_attention_bf16"}
-_ARGTYPES = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int]
+_QUERY_NAMES = {torch.float32: "f32", torch.bfloat16: "bf16"}
+_CACHE_NAMES = {torch.int8: "int8", torch.float8_e4m3fn: "fp8_e4m3", torch.float8_e5m2: "fp8_e5m2"}
+_FUNCTIONS = {(q, q): f"decode_attention_{name}" for q, name in _QUERY_NAMES.items()}
+_FUNCTIONS.update({(q, c): f"decode_attention_{qn}_{cn}" for q, qn in _QUERY_NAMES.items()
+                   for c, cn in _CACHE_NAMES.items()})
+"""(query dtype, cache element dtype) -> entry point."""
+_ARGTYPES = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int]
 # Reassociation lets gcc vectorize the dot products; attention has no exact reference order to keep.
 _EXTRA_FLAGS = ("-fassociative-math", "-fno-signed-zeros")
 
@@ -46,23 +52,33 @@ def supports(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
     key_cache: [num_blocks, kv_heads, head_dim // pack, block_size, pack] (attention/kv_layout.py)."""
     _, num_heads, head_dim = query.shape
     kv_heads, block_size = key_cache.shape[1], key_cache.shape[3]
-    return (query.device.type == "cpu" and query.dtype in _FUNCTIONS and key_cache.dtype == query.dtype
+    return (query.device.type == "cpu" and (query.dtype, key_cache.dtype) in _FUNCTIONS
             and num_heads % kv_heads == 0 and num_heads // kv_heads <= _MAX_GROUP
             and head_dim <= _MAX_HEAD_DIM and block_size <= _MAX_BLOCK and load() is not None)
 
 
 def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                     block_tables: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
-    """query [B, H, D] -> [B, H * D]; block_tables [B, max_blocks] int64, context_lens [B] int64."""
+                     block_tables: torch.Tensor, context_lens: torch.Tensor,
+                     kv_scales: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+    """query [B, H, D] -> [B, H * D]; block_tables [B, max_blocks] int64, context_lens [B] int64. An 8-bit
+    cache needs its (key, value) scales [num_blocks, kv_heads, block_size] bf16 (quantization/kv_cache.py)."""
     batch, num_heads, head_dim = query.shape
     _, kv_heads, block_size, _ = value_cache.shape
+    if (kv_scales is None) == (key_cache.dtype in _CACHE_NAMES):
+        raise ValueError(f"a {key_cache.dtype} cache {'needs' if kv_scales is None else 'has no'} scales")
+    key_scale, value_scale = (s.data_ptr() for s in kv_scales) if kv_scales else (None, None)
     query = query.contiguous()
     out = torch.empty(batch, num_heads * head_dim, dtype=query.dtype)
-    status = getattr(load(), _FUNCTIONS[query.dtype])(
-        query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), block_tables.data_ptr(),
-        context_lens.data_ptr(), out.data_ptr(), batch, num_heads, kv_heads, head_dim, block_size,
-        block_tables.shape[1], head_dim ** -0.5, torch.get_num_threads())
+    status = getattr(load(), function_name(query.dtype, key_cache.dtype))(
+        query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), key_scale, value_scale,
+        block_tables.data_ptr(), context_lens.data_ptr(), out.data_ptr(), batch, num_heads, kv_heads, head_dim,
+        block_size, block_tables.shape[1], head_dim ** -0.5, torch.get_num_threads())
     if status != 0:
         raise RuntimeError(f"decode attention kernel failed (status {status}; heads {num_heads}/{kv_heads}, "
                            f"head_dim {head_dim})")
     return out
+
+
+def function_name(query_dtype: torch.dtype, cache_dtype: torch.dtype) -> str:
+    """The C entry point for a query dtype and a cache element dtype."""
+    return _FUNCTIONS[(query_dtype, cache_dtype)]

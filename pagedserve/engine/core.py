@@ -51,10 +51,13 @@ class EngineCore:
         self._rejected: list[tuple[str, ValueError]] = []
         self._compiling: list[Request] = []  # admitted requests whose grammar is not compiled yet
         self.info = CoreInfo(max_model_len, self.loaded.hf_config.vocab_size, self.loaded.eos_token_ids,
-                             self.runner.num_blocks, block_size, self.runner.bytes_per_block)
-        logger.info("KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB); max_model_len=%d",
-                    self.runner.num_blocks, block_size, self.runner.num_blocks * block_size,
-                    self.runner.num_blocks * self.runner.bytes_per_block / 2**20, max_model_len)
+                             self.runner.num_blocks, block_size, self.runner.bytes_per_block,
+                             config.cache_config.kv_cache_dtype)
+        logger.info("KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB), %s elements (%d bytes per token); "
+                    "max_model_len=%d", self.runner.num_blocks, block_size, self.runner.num_blocks * block_size,
+                    self.runner.num_blocks * self.runner.bytes_per_block / 2**20,
+                    str(self.runner.kv_cache_dtype).removeprefix("torch."),
+                    self.runner.bytes_per_block // block_size, max_model_len)
 
     def _fit_max_model_len(self, cache_tokens: int) -> int:
         """A sequence of max_model_len tokens must fit the whole cache alone, or it could never finish."""

@@ -33,6 +33,8 @@ class CoreInfo:
     num_blocks: int
     block_size: int
     bytes_per_block: int
+    kv_cache_dtype: str = "auto"
+    """The cache element type as configured (--kv-cache-dtype)."""
 
 
 class QueueFullError(RuntimeError):

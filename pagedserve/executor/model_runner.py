@@ -21,6 +21,7 @@ from pagedserve.loader.model_loader import LoadedModel
 from pagedserve.lora.manager import LoRAManager
 from pagedserve.lora.mapping import LoRAMapping
 from pagedserve.lora.model_slots import ModelLoRASlots
+from pagedserve.quantization import kv_cache as kv_quant
 from pagedserve.structured_output.bitmask import apply_grammar_bitmask
 
 logger = logging.getLogger(__name__)
@@ -57,12 +58,10 @@ class ModelRunner:
         self.num_layers = len(self.model.model.layers)
         self.num_kv_heads = attn.num_kv_heads
         self.kv_shape_tail = (attn.num_kv_heads, self.block_size, attn.head_dim)
+        self.kv_cache_dtype = kv_quant.kv_storage_dtype(cache_config.kv_cache_dtype, self.dtype)
         self.num_blocks = self._num_blocks(cache_config.kv_cache_memory_bytes)
-        key_shape = key_cache_shape(self.num_blocks, *self.kv_shape_tail, self.dtype)
-        value_shape = value_cache_shape(self.num_blocks, *self.kv_shape_tail)
-        self.kv_caches = [(_zeros(key_shape, self.dtype, self.device), _zeros(value_shape, self.dtype, self.device))
-                          for _ in range(self.num_layers)]
-        self.model.bind_kv_cache(self.kv_caches)
+        self.kv_caches, self.kv_scales = self._allocate_kv_cache()
+        self.model.bind_kv_cache(self.kv_caches, self.kv_scales)
         if self.device.type == "cpu":
             start = time.perf_counter()
             packed = self.model.pack_for_small_batches()
@@ -82,8 +81,26 @@ class ModelRunner:
 
     @property
     def bytes_per_block(self) -> int:
+        """K and V of every layer for one block: elements, plus a bf16 scale per (token, head) when 8-bit."""
         h, b, d = self.kv_shape_tail
-        return 2 * self.num_layers * b * h * d * torch.tensor([], dtype=self.dtype).element_size()
+        per_token_head = d * _itemsize(self.kv_cache_dtype)
+        if kv_quant.is_quantized(self.kv_cache_dtype):
+            per_token_head += _itemsize(kv_quant.SCALE_DTYPE)
+        return 2 * self.num_layers * b * h * per_token_head
+
+    def _allocate_kv_cache(self):
+        """Per layer (key, value) cache tensors, and for an 8-bit cache their (key, value) scales (else None)."""
+        dtype = self.kv_cache_dtype
+        key_shape = key_cache_shape(self.num_blocks, *self.kv_shape_tail, dtype)
+        value_shape = value_cache_shape(self.num_blocks, *self.kv_shape_tail)
+        caches = [(_zeros(key_shape, dtype, self.device), _zeros(value_shape, dtype, self.device))
+                  for _ in range(self.num_layers)]
+        if not kv_quant.is_quantized(dtype):
+            return caches, None
+        scale_shape = value_shape[:-1]  # [num_blocks, kv_heads, block_size]
+        scales = [tuple(_zeros(scale_shape, kv_quant.SCALE_DTYPE, self.device) for _ in range(2))
+                  for _ in range(self.num_layers)]
+        return caches, scales
 
     def _num_blocks(self, memory_bytes: Optional[int]) -> int:
         if memory_bytes is None:
@@ -247,8 +264,11 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     stale NaNs would poison that."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    itemsize = torch.tensor([], dtype=dtype).element_size()
-    return huge_page_zeros(math.prod(shape) * itemsize).view(dtype).view(shape)
+    return huge_page_zeros(math.prod(shape) * _itemsize(dtype)).view(dtype).view(shape)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.tensor([], dtype=dtype).element_size()
 
 
 def _available_ram() -> int:

@@ -6,7 +6,7 @@ is the Python between them (~300 module calls, allocations and ctypes conversion
 sequences took as long as the matmuls.
 
 `DecodeLayers.build(model)` returns None unless every piece has its C path here (bf16 weights packed for the
-small-batch matmul, the fused ops, the decode-attention kernel for these shapes). `runs(num_rows, meta)` says
+small-batch matmul, the fused ops, the decode-attention kernel for these shapes; a bf16 or 8-bit KV cache). `runs(num_rows, meta)` says
 whether a step qualifies: decodes only (one new token per sequence), at most skinny_gemm.MAX_ROWS of them.
 
 With LoRA slots on the linears (lora/layers.py, packed for the same kernel), steps with adapter rows run here
@@ -25,6 +25,7 @@ from pagedserve.attention import cpu_decode
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.kernels import fused_ops, skinny_gemm
 from pagedserve.kernels.build import load_library
+from pagedserve.quantization import kv_cache as kv_quant
 
 _P, _I64, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
@@ -35,12 +36,13 @@ class _Kernels(ctypes.Structure):
 
 class _Layer(ctypes.Structure):
     _fields_ = [(name, _P) for name in ("input_norm", "post_norm", "qkv", "qkv_bias", "o", "o_bias", "gate_up",
-                                        "gate_up_bias", "down", "down_bias", "key_cache", "value_cache")]
+                                        "gate_up_bias", "down", "down_bias", "key_cache", "value_cache",
+                                        "key_scale", "value_scale")]
 
 
 class _Shape(ctypes.Structure):
     _fields_ = [(name, _I64) for name in ("hidden", "heads", "kv_heads", "head_dim", "intermediate",
-                                          "block_size")] + [("eps", _F), ("scale", _F)]
+                                          "block_size", "kv_kind")] + [("eps", _F), ("scale", _F)]
 
 
 class _LinearLoRA(ctypes.Structure):
@@ -96,7 +98,7 @@ class DecodeLayers:
         layers = model.model.layers
         attn = layers[0].self_attn
         probe = torch.empty(1, attn.q_size, dtype=torch.bfloat16)
-        if (attn.key_cache is None or attn.key_cache.dtype != torch.bfloat16 or not fused_ops.fuses_swiglu(probe)
+        if (attn.key_cache is None or not _takes_cache(attn.key_cache.dtype) or not fused_ops.fuses_swiglu(probe)
                 or not fused_ops.fuses_rotary(probe)
                 or not cpu_decode.supports(probe.view(1, attn.num_heads, attn.head_dim), attn.key_cache)
                 or any(lin.packed is None for layer in layers for lin in (
@@ -107,12 +109,13 @@ class DecodeLayers:
             return None
         ops, gemm, attention = fused_ops._lib(), skinny_gemm._lib(), cpu_decode.load()
         kernels = _Kernels(_address(ops, "rms_norm"), _address(gemm, "skinny_gemm"),
-                           _address(gemm, "skinny_gemm_accumulate"), _address(ops, "rotary_and_cache"), _address(attention, "decode_attention_bf16"),
+                           _address(gemm, "skinny_gemm_accumulate"), _address(ops, "rotary_and_cache"),
+                           _address(attention, cpu_decode.function_name(torch.bfloat16, attn.key_cache.dtype)),
                            _address(ops, "swiglu"))
         table = (_Layer * len(layers))(*[_layer_struct(layer) for layer in layers])
         shape = _Shape(model.config.hidden_size, attn.num_heads, attn.num_kv_heads, attn.head_dim,
                        layers[0].mlp.down_proj.in_features, attn.value_cache.shape[2],
-                       layers[0].input_layernorm.eps, attn.head_dim ** -0.5)
+                       fused_ops.KV_KINDS[attn.key_cache.dtype], layers[0].input_layernorm.eps, attn.head_dim ** -0.5)
         return DecodeLayers(library, kernels, table, shape, model)
 
     @staticmethod
@@ -167,7 +170,12 @@ def _layer_struct(layer) -> _Layer:
                   _ptr(attn.qkv_proj.packed.data), _ptr(attn.qkv_proj.bias), _ptr(attn.o_proj.packed.data),
                   _ptr(attn.o_proj.bias), _ptr(mlp.gate_up_proj.packed.data), _ptr(mlp.gate_up_proj.bias),
                   _ptr(mlp.down_proj.packed.data), _ptr(mlp.down_proj.bias), _ptr(attn.key_cache),
-                  _ptr(attn.value_cache))
+                  _ptr(attn.value_cache), *(_ptr(s) for s in attn.kv_scales or (None, None)))
+
+
+def _takes_cache(dtype: torch.dtype) -> bool:
+    """A bf16 cache, or an 8-bit one (int8, float8: quantization/kv_cache.py)."""
+    return dtype == torch.bfloat16 or kv_quant.is_quantized(dtype)
 
 
 def _linear_lora(lora) -> _LinearLoRA:

@@ -22,10 +22,12 @@ import torch
 from pagedserve.kernels.build import load_library
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+KV_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2, torch.float8_e4m3fn: 3, torch.float8_e5m2: 4}
+"""Cache element dtype -> the C kernels' kind code (csrc/kv_quant.h)."""
 _P, _I64, _F, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 _SIGNATURES = {
     "rms_norm": [_P, _P, _P, _P, _I64, _I64, _F, _INT, _INT],
-    "rotary_and_cache": [_P, _I64, _P, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _INT, _INT],
+    "rotary_and_cache": [_P, _I64, _P, _P, _P, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _INT, _INT, _INT],
     "swiglu": [_P, _P, _I64, _I64, _INT, _INT],
 }
 # Rounding must happen where the reference rounds: no fusing of a rounded multiply into an add.
@@ -79,18 +81,25 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 def rotary_and_cache(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                      key_cache: torch.Tensor, value_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                     num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+                     num_heads: int, num_kv_heads: int, head_dim: int,
+                     kv_scales: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> None:
     """Rotate the q and k heads of qkv [tokens, (heads + 2 kv_heads) * head_dim] in place by the float32
     cos/sin tables [max_positions, head_dim] at `positions`, then store k and v at `slot_mapping` in the
-    caches (layouts: attention/kv_layout.py)."""
+    caches (layouts: attention/kv_layout.py). An 8-bit cache (int8 / float8 elements) needs `kv_scales`,
+    the (key, value) bf16 scale tensors [num_blocks, kv_heads, block_size], filled as the codes are written
+    (quantization/kv_cache.py)."""
     assert qkv.is_contiguous() and qkv.shape[1] == (num_heads + 2 * num_kv_heads) * head_dim
     assert cos.dtype == sin.dtype == torch.float32 and cos.is_contiguous() and sin.is_contiguous()
-    assert key_cache.dtype == value_cache.dtype == qkv.dtype
+    kind = KV_KINDS[key_cache.dtype]
+    assert key_cache.dtype == value_cache.dtype and (key_cache.dtype == qkv.dtype or kind >= 2)
+    assert (kv_scales is not None) == (kind >= 2)
+    key_scale, value_scale = (s.data_ptr() for s in kv_scales) if kv_scales else (None, None)
     tokens = qkv.shape[0]
     _check(_lib().rotary_and_cache(
         qkv.data_ptr(), qkv.shape[1], positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-        key_cache.data_ptr(), value_cache.data_ptr(), slot_mapping.data_ptr(), tokens, num_heads, num_kv_heads,
-        head_dim, value_cache.shape[2], _DTYPES[qkv.dtype], torch.get_num_threads()), "rotary_and_cache")
+        key_cache.data_ptr(), value_cache.data_ptr(), key_scale, value_scale, slot_mapping.data_ptr(), tokens,
+        num_heads, num_kv_heads, head_dim, value_cache.shape[2], kind, _DTYPES[qkv.dtype],
+        torch.get_num_threads()), "rotary_and_cache")
 
 
 def swiglu(gate_up: torch.Tensor) -> torch.Tensor:

@@ -153,8 +153,17 @@ class PrometheusStatLogger:
                                                    _TOKEN_BUCKETS)
         self.http_requests = Counter("http_requests", "HTTP requests by route, method and status.",
                                      ["handler", "method", "status"], registry=r)
+        self._cache_config_info = Gauge("pagedserve:cache_config_info", "KV-cache configuration (labels; value 1).",
+                                        ["block_size", "cache_dtype", "num_gpu_blocks", "bytes_per_block"],
+                                        registry=r)
         self._preemptions_seen = 0
         self._prefix_seen = (0, 0)
+
+    def log_cache_config(self, info) -> None:
+        """vLLM's cache_config_info: the KV cache's shape as labels (value 1), from the core's CoreInfo."""
+        self._cache_config_info.clear()
+        self._cache_config_info.labels(str(info.block_size), info.kv_cache_dtype, str(info.num_blocks),
+                                       str(info.bytes_per_block)).set(1)
 
     def __call__(self, stats: EngineStats, iteration: IterationStats) -> None:
         self.num_requests_running.set(stats.num_running)

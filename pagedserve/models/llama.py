@@ -46,6 +46,7 @@ class LlamaAttention(nn.Module):
         # Bound by the model runner once the KV cache exists (layouts: attention/kv_layout.py).
         self.key_cache: Optional[torch.Tensor] = None
         self.value_cache: Optional[torch.Tensor] = None
+        self.kv_scales: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # an 8-bit cache's scales
 
     def forward(self, hidden: torch.Tensor, rope: "RopeInputs") -> torch.Tensor:
         num_tokens = hidden.shape[0]
@@ -54,14 +55,15 @@ class LlamaAttention(nn.Module):
         if rope.cos is None:  # fused: rotate q and k in place and store k/v in the cache, in one pass
             fused_ops.rotary_and_cache(qkv, rope.positions, rope.table.cos, rope.table.sin, self.key_cache,
                                        self.value_cache, meta.slot_mapping, self.num_heads, self.num_kv_heads,
-                                       self.head_dim)
+                                       self.head_dim, self.kv_scales)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if rope.cos is not None:
             q, k = apply_rotary(q, rope.cos, rope.sin), apply_rotary(k, rope.cos, rope.sin)
-        out = paged_attention(q, k, v, self.key_cache, self.value_cache, meta, kv_cached=rope.cos is None)
+        out = paged_attention(q, k, v, self.key_cache, self.value_cache, meta, kv_cached=rope.cos is None,
+                              kv_scales=self.kv_scales)
         return self.o_proj(out)
 
 
@@ -181,9 +183,12 @@ class LlamaForCausalLM(nn.Module):
         self._decode_layers = DecodeLayers.build(self)
         return packed + (self._packed_lm_head is not None)
 
-    def bind_kv_cache(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        for layer, (key_cache, value_cache) in zip(self.model.layers, kv_caches, strict=True):
+    def bind_kv_cache(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                      kv_scales: Optional[list[tuple[torch.Tensor, torch.Tensor]]] = None) -> None:
+        """Each layer's (key, value) cache tensors, and for an 8-bit cache their (key, value) scales."""
+        for i, (layer, (key_cache, value_cache)) in enumerate(zip(self.model.layers, kv_caches, strict=True)):
             layer.self_attn.key_cache, layer.self_attn.value_cache = key_cache, value_cache
+            layer.self_attn.kv_scales = kv_scales[i] if kv_scales is not None else None
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -107,6 +107,8 @@ def build_app(async_llm: AsyncLLM, args, metrics: Optional[PrometheusStatLogger]
     lora_modules = LoRAModules(async_llm, config.served_model_names, enable_lora)
     lora_modules.load_at_start(list(getattr(args, "lora_modules", None) or []))
     rate_limiter = rate_limiter or RateLimiter()
+    if getattr(async_llm, "info", None) is not None:
+        metrics.log_cache_config(async_llm.info)
     async_llm.stat_loggers.append(metrics)
     app = FastAPI(title="pagedserve", version=pagedserve.__version__, docs_url=None, redoc_url=None,
                   openapi_url=None)

@@ -6,6 +6,11 @@
  * Query and output: [batch, heads, head_dim]. Work is split over (sequence, kv head) pairs; the query heads
  * that share a KV head are done together so each tile is read once. Accumulation is in float32.
  *
+ * 8-bit caches (int8, fp8 e4m3 / e5m2; kv_quant.h) keep K tiles with pack = 1 and a bf16 scale per (token,
+ * head) beside the tiles. Every element is dequantized (code * scale, exact in float32) where it is loaded,
+ * before any arithmetic, so the result is bit for bit that of the float32 cache path over the dequantized
+ * values, on every path (tests/attention/test_decode_attention_quantized.py).
+ *
  * Paths, chosen by the build's -march (kernels/build.py picks it from the CPU at run time): with AVX-512,
  * head_dim 64/128 and block_size % 16 == 0 take item_avx512 (16 tokens a vector; bf16 K by BF16 dot
  * products where the CPU has AVX512-BF16); with AVX2 + FMA only, the same shapes with block_size % 8 == 0
@@ -20,14 +25,15 @@
 
 #include "bf16.h"
 #include "fast_exp.h"
+#include "kv_quant.h"
 
 #define MAX_GROUP 16
 #define MAX_HEAD_DIM 256  /* also: MAX_GROUP * 128 <= MAX_GROUP * MAX_HEAD_DIM for the fast path's output */
 #define MAX_BLOCK 64
 
-/* One tile of block_size rows to float32. bf16 is the top half of a float32. */
-static inline void tile_to_f32(const void *src, int bf16, int64_t count, float *restrict dst) {
-    if (bf16) {
+/* count query values (bf16 or f32) to float32. bf16 is the top half of a float32. */
+static inline void query_to_f32(const void *src, int qbf16, int64_t count, float *restrict dst) {
+    if (qbf16) {
         const uint16_t *s = (const uint16_t *)src;
         uint32_t *d = (uint32_t *)dst;
 #pragma omp simd
@@ -37,14 +43,32 @@ static inline void tile_to_f32(const void *src, int bf16, int64_t count, float *
     }
 }
 
+/* Element i of a cache tile as float32; in an 8-bit cache, code * the token's scale (kv_quant.h: exact). */
+static inline float cache_value(const void *src, int kv, int64_t i, const uint16_t *scales, int64_t token) {
+    if (kv == KV_F32) return ((const float *)src)[i];
+    if (kv == KV_BF16) return bf16_to_f32(((const uint16_t *)src)[i]);
+    return kv_decode(((const uint8_t *)src)[i], kv) * bf16_to_f32(scales[token]);
+}
+
+/* The first n tokens of a V tile [block_size][head_dim] as float32 rows [n][head_dim]. */
+static inline void value_tile_to_rows(const void *src, int kv, int64_t n, int64_t head_dim, const uint16_t *scales,
+                                      float *restrict rows) {
+    if (kv == KV_F32) {
+        memcpy(rows, src, sizeof(float) * (size_t)(n * head_dim));
+        return;
+    }
+    for (int64_t t = 0; t < n; ++t)
+        for (int64_t d = 0; d < head_dim; ++d) rows[t * head_dim + d] = cache_value(src, kv, t * head_dim + d, scales, t);
+}
+
 /* The first n tokens of a K tile [head_dim / pack][block_size][pack] as float32 rows [n][head_dim]. */
-static inline void key_tile_to_rows(const void *src, int bf16, int64_t n, int64_t head_dim, int64_t block_size,
-                                    float *restrict rows) {
-    const int64_t pack = bf16 ? 2 : 1;
+static inline void key_tile_to_rows(const void *src, int kv, int64_t n, int64_t head_dim, int64_t block_size,
+                                    const uint16_t *scales, float *restrict rows) {
+    const int64_t pack = kv == KV_BF16 ? 2 : 1;
     for (int64_t t = 0; t < n; ++t)
         for (int64_t d = 0; d < head_dim; ++d) {
             const int64_t at = (d / pack) * block_size * pack + t * pack + d % pack;
-            rows[t * head_dim + d] = bf16 ? bf16_to_f32(((const uint16_t *)src)[at]) : ((const float *)src)[at];
+            rows[t * head_dim + d] = cache_value(src, kv, at, scales, t);
         }
 }
 
@@ -62,43 +86,68 @@ static inline void softmax_rows(float *scores, const float *maxs, int64_t group,
     }
 }
 
-/* out[at : at + head_dim] = src * factor, rounded to the output dtype. */
-static inline void store_row(void *out, int64_t at, const float *src, float factor, int64_t head_dim, int bf16) {
-    if (bf16) {
+/* out[at : at + head_dim] = src, rounded to the output dtype. */
+static inline void store_row(void *out, int64_t at, const float *src, int64_t head_dim, int qbf16) {
+    if (qbf16) {
         uint16_t *dst = (uint16_t *)out + at;
-        for (int64_t d = 0; d < head_dim; ++d) dst[d] = f32_to_bf16(src[d] * factor);
+        for (int64_t d = 0; d < head_dim; ++d) dst[d] = f32_to_bf16(src[d]);
     } else {
-        float *dst = (float *)out + at;
-        for (int64_t d = 0; d < head_dim; ++d) dst[d] = src[d] * factor;
+        memcpy((float *)out + at, src, sizeof(float) * (size_t)head_dim);
     }
 }
+
+/* Bytes per cache element, and how many dimensions a K tile keeps together per token. */
+static inline int64_t kv_elem(int kv) { return kv == KV_F32 ? 4 : kv == KV_BF16 ? 2 : 1; }
+static inline int64_t kv_pack(int kv) { return kv == KV_BF16 ? 2 : 1; }
+
+/* What the SIMD paths multiply a scale by: they read e4m3 codes through float16 (bits << 7), which is the
+ * code's value / 256 (exact), so its scale is taken * 256 (exact too). */
+static inline float scale_factor(int kv) { return kv == KV_FP8_E4M3 ? 256.f : 1.f; }
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
-/* 16 values (bf16 or f32) to a float32 vector. */
-static inline __attribute__((always_inline)) __m512 load16(const void *p, const int bf16) {
-    if (bf16)
+/* 16 8-bit codes to float32 (before their scale; e4m3 as value / 256, see scale_factor). */
+static inline __attribute__((always_inline)) __m512 codes16(const void *p, const int kv) {
+    const __m128i c = _mm_loadu_si128((const __m128i *)p);
+    if (kv == KV_INT8) return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c));
+    const __m256i w = _mm256_cvtepu8_epi16(c);
+    if (kv == KV_FP8_E5M2) return _mm512_cvtph_ps(_mm256_slli_epi16(w, 8));
+    const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8);
+    return _mm512_cvtph_ps(_mm256_or_si256(sign, _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7f)), 7)));
+}
+
+/* 16 cache values of one row (f32, bf16, or 8-bit codes before their scale) to a float32 vector. */
+static inline __attribute__((always_inline)) __m512 load16(const void *p, const int kv) {
+    if (kv == KV_BF16)
         return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
-    return _mm512_loadu_ps((const float *)p);
+    if (kv == KV_F32) return _mm512_loadu_ps((const float *)p);
+    return codes16(p, kv);
+}
+
+/* 16 bf16 scales (times scale_factor) as float32. */
+static inline __attribute__((always_inline)) __m512 scales16(const uint16_t *p, const int kv) {
+    const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+    return kv == KV_FP8_E4M3 ? _mm512_mul_ps(s, _mm512_set1_ps(256.f)) : s;
 }
 
 /* Scores of one (sequence, kv head) item, 16 tokens at a time: scores[g * len + t] = scale * q_g . k_t and
- * maxs[g] = max_t of them. K tiles are [head_dim / pack][block_size][pack] (kv_layout.py), so one 64-byte
- * row of a tile holds dimension group p of 16 consecutive tokens: the query's value(s) for that group are
- * broadcast and multiplied into a vector of 16 token scores, with no horizontal sums. In bf16, pack = 2 and
- * one AVX-512 BF16 dot product does both dimensions of a pair (products exact, sums in float32).
- * Requires block_size % 16 == 0. */
+ * maxs[g] = max_t of them. K tiles are [head_dim / pack][block_size][pack] (kv_layout.py), so one row of a
+ * tile holds dimension group p of 16 consecutive tokens: the query's value(s) for that group are broadcast
+ * and multiplied into a vector of 16 token scores, with no horizontal sums. In bf16, pack = 2 and one
+ * AVX-512 BF16 dot product does both dimensions of a pair (products exact, sums in float32). In an 8-bit
+ * cache each row is dequantized (codes * their tokens' scales) first, so the sums are those of a float32
+ * cache holding the dequantized values. Requires block_size % 16 == 0. */
 static inline __attribute__((always_inline)) void scores_avx512(
-    const char *query, const char *key_cache, const int64_t *table, int64_t len, float *scores, float *maxs,
-    int64_t group, int64_t block_size, int64_t head_dim, int64_t tile_bytes, int64_t row0, int64_t kv_stride,
-    const char *value_cache, float scale, const int bf16) {
+    const char *query, const char *key_cache, const uint16_t *key_scale, const int64_t *table, int64_t len,
+    float *scores, float *maxs, int64_t group, int64_t block_size, int64_t head_dim, int64_t tile_bytes,
+    int64_t row0, int64_t kv_stride, const char *value_cache, float scale, const int qbf16, const int kv) {
     __m512 vmax[MAX_GROUP];
     for (int64_t g = 0; g < group; ++g) vmax[g] = _mm512_set1_ps(-INFINITY);
-    const int64_t pack = bf16 ? 2 : 1, groups = head_dim / pack, row_bytes = block_size * 4; /* 4 = pack * elem */
+    const int64_t pack = kv_pack(kv), groups = head_dim / pack, row_bytes = block_size * pack * kv_elem(kv);
     for (int64_t start = 0; start < len; start += 16) {
         const int64_t b = start / block_size, chunk = (start % block_size) / 16;
-        const char *tile = key_cache + table[b] * kv_stride * tile_bytes + chunk * 64;
+        const char *tile = key_cache + table[b] * kv_stride * tile_bytes + chunk * 16 * pack * kv_elem(kv);
         if (chunk == 0) {
             /* Blocks are scattered in memory, so the hardware prefetcher can't see them coming: fetch the
              * next block's K tile, and this block's V tile for the second pass. */
@@ -113,7 +162,7 @@ static inline __attribute__((always_inline)) void scores_avx512(
         __m512 acc[MAX_GROUP];
         for (int64_t g = 0; g < group; ++g) acc[g] = _mm512_setzero_ps();
 #if defined(__AVX512BF16__)
-        if (bf16) {
+        if (kv == KV_BF16) {
             const uint32_t *q = (const uint32_t *)(query + row0 * head_dim * 2); /* bf16 pairs */
             for (int64_t p = 0; p < groups; ++p) {
                 const __m512bh k = (__m512bh)_mm512_loadu_si512(tile + p * row_bytes);
@@ -123,22 +172,25 @@ static inline __attribute__((always_inline)) void scores_avx512(
         } else
 #endif
         {
+            const __m512 token_scales = kv_is_quantized(kv)
+                ? scales16(key_scale + table[b] * kv_stride * block_size + chunk * 16, kv) : _mm512_setzero_ps();
             for (int64_t p = 0; p < groups; ++p) {
                 const char *row = tile + p * row_bytes;
                 for (int64_t j = 0; j < pack; ++j) {
                     /* 16 tokens' value of dimension p * pack + j */
                     __m512 k;
-                    if (bf16) {
+                    if (kv == KV_BF16) {
                         const __m512i pairs = _mm512_loadu_si512(row);
                         k = _mm512_castsi512_ps(j == 0 ? _mm512_slli_epi32(pairs, 16)
                                                        : _mm512_and_si512(pairs, _mm512_set1_epi32((int)0xffff0000u)));
                     } else {
-                        k = _mm512_loadu_ps((const float *)row);
+                        k = load16(row, kv);
+                        if (kv_is_quantized(kv)) k = _mm512_mul_ps(k, token_scales);
                     }
                     const int64_t d = p * pack + j;
                     for (int64_t g = 0; g < group; ++g) {
                         const int64_t at = (row0 + g) * head_dim + d;
-                        const float qd = bf16 ? bf16_to_f32(((const uint16_t *)query)[at]) : ((const float *)query)[at];
+                        const float qd = qbf16 ? bf16_to_f32(((const uint16_t *)query)[at]) : ((const float *)query)[at];
                         acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(qd), k, acc[g]);
                     }
                 }
@@ -159,22 +211,27 @@ static inline __attribute__((always_inline)) void scores_avx512(
 /* One (sequence, kv head) work item with head_dim = 16 * NV: the scores above, softmax, then the weighted
  * sum of V rows held in registers. Called with a constant nv so that the compiler unrolls every loop over j. */
 static inline __attribute__((always_inline)) void item_avx512(
-    const char *query, const char *key_cache, const char *value_cache, const int64_t *table, int64_t len,
-    float *scores, int64_t group, int64_t block_size, int64_t tile, int64_t row0, int64_t kv_stride,
-    float scale, const int bf16, const int nv, float *out_f32) {
-    const int64_t elem = bf16 ? 2 : 4, head_dim = 16 * nv;
+    const char *query, const char *key_cache, const char *value_cache, const uint16_t *key_scale,
+    const uint16_t *value_scale, const int64_t *table, int64_t len, float *scores, int64_t group,
+    int64_t block_size, int64_t tile, int64_t row0, int64_t kv_stride, float scale, const int qbf16, const int kv,
+    const int nv, float *out_f32) {
+    const int64_t elem = kv_elem(kv), head_dim = 16 * nv;
     __m512 o[MAX_GROUP][8], k[8];
     float maxs[MAX_GROUP];
     for (int64_t g = 0; g < group; ++g)
         for (int j = 0; j < nv; ++j) o[g][j] = _mm512_setzero_ps();
-    const int64_t tile_bytes = tile * elem;
-    scores_avx512(query, key_cache, table, len, scores, maxs, group, block_size, head_dim, tile_bytes, row0,
-                  kv_stride, value_cache, scale, bf16);
+    scores_avx512(query, key_cache, key_scale, table, len, scores, maxs, group, block_size, head_dim, tile * elem,
+                  row0, kv_stride, value_cache, scale, qbf16, kv);
     softmax_rows(scores, maxs, group, len);
     for (int64_t t = 0; t < len; ++t) {
         const int64_t blk = table[t / block_size];
         const char *row = value_cache + ((blk * kv_stride) * tile + (t % block_size) * head_dim) * elem;
-        for (int j = 0; j < nv; ++j) k[j] = load16(row + 16 * j * elem, bf16);
+        for (int j = 0; j < nv; ++j) k[j] = load16(row + 16 * j * elem, kv);
+        if (kv_is_quantized(kv)) {
+            const __m512 s = _mm512_set1_ps(bf16_to_f32(value_scale[blk * kv_stride * block_size + t % block_size])
+                                            * scale_factor(kv));
+            for (int j = 0; j < nv; ++j) k[j] = _mm512_mul_ps(k[j], s);
+        }
         for (int64_t g = 0; g < group; ++g) {
             const __m512 p = _mm512_set1_ps(scores[g * len + t]);
             for (int j = 0; j < nv; ++j) o[g][j] = _mm512_fmadd_ps(p, k[j], o[g][j]);
@@ -187,11 +244,28 @@ static inline __attribute__((always_inline)) void item_avx512(
 #elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
-/* 8 values (bf16 or f32) to a float32 vector. */
-static inline __attribute__((always_inline)) __m256 load8(const void *p, const int bf16) {
-    if (bf16)
+/* 8 8-bit codes to float32 (before their scale; e4m3 as value / 256, see scale_factor). */
+static inline __attribute__((always_inline)) __m256 codes8(const void *p, const int kv) {
+    const __m128i c = _mm_loadl_epi64((const __m128i *)p);
+    if (kv == KV_INT8) return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c));
+    const __m128i w = _mm_cvtepu8_epi16(c);
+    if (kv == KV_FP8_E5M2) return _mm256_cvtph_ps(_mm_slli_epi16(w, 8));
+    const __m128i sign = _mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x80)), 8);
+    return _mm256_cvtph_ps(_mm_or_si128(sign, _mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x7f)), 7)));
+}
+
+/* 8 cache values of one row (f32, bf16, or 8-bit codes before their scale) to a float32 vector. */
+static inline __attribute__((always_inline)) __m256 load8(const void *p, const int kv) {
+    if (kv == KV_BF16)
         return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
-    return _mm256_loadu_ps((const float *)p);
+    if (kv == KV_F32) return _mm256_loadu_ps((const float *)p);
+    return codes8(p, kv);
+}
+
+/* 8 bf16 scales (times scale_factor) as float32. */
+static inline __attribute__((always_inline)) __m256 scales8(const uint16_t *p, const int kv) {
+    const __m256 s = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+    return kv == KV_FP8_E4M3 ? _mm256_mul_ps(s, _mm256_set1_ps(256.f)) : s;
 }
 
 static inline float max_lane(__m256 v) {
@@ -206,29 +280,22 @@ static inline __m256 broadcast_bits(const uint32_t *qb, int64_t at) {
     return _mm256_castsi256_ps(_mm256_set1_epi32((int)qb[at]));
 }
 
-/* count query values (bf16 or f32) as float32 bits. */
-static inline void query_bits(const void *src, int bf16, int64_t count, uint32_t *restrict dst) {
-    if (bf16)
-        for (int64_t i = 0; i < count; ++i) dst[i] = (uint32_t)((const uint16_t *)src)[i] << 16;
-    else
-        memcpy(dst, src, sizeof(float) * (size_t)count);
-}
-
-/* Scores of one (sequence, kv head) item, 8 tokens at a time, as scores_avx512 does 16: one 32-byte row of a
- * K tile holds dimension group p of 8 consecutive tokens and the query's value(s) are broadcast. In bf16 the
- * row holds a pair of dimensions per token: a shift and a mask widen it to two float32 vectors (exact).
- * qb: the item's queries as float32 bits [group][head_dim]. Requires block_size % 8 == 0. */
+/* Scores of one (sequence, kv head) item, 8 tokens at a time, as scores_avx512 does 16: one row of a K tile
+ * holds dimension group p of 8 consecutive tokens and the query's value(s) are broadcast. In bf16 the row
+ * holds a pair of dimensions per token: a shift and a mask widen it to two float32 vectors (exact); 8-bit
+ * codes are dequantized with their tokens' scales. qb: the item's queries as float32 bits [group][head_dim].
+ * Requires block_size % 8 == 0. */
 static inline __attribute__((always_inline)) void scores_avx2(
-    const uint32_t *qb, const char *key_cache, const int64_t *table, int64_t len, float *scores, float *maxs,
-    int64_t group, int64_t block_size, int64_t head_dim, int64_t tile_bytes, int64_t kv_stride,
-    const char *value_cache, float scale, const int bf16) {
+    const uint32_t *qb, const char *key_cache, const uint16_t *key_scale, const int64_t *table, int64_t len,
+    float *scores, float *maxs, int64_t group, int64_t block_size, int64_t head_dim, int64_t tile_bytes,
+    int64_t kv_stride, const char *value_cache, float scale, const int kv) {
     __m256 vmax[MAX_GROUP];
     for (int64_t g = 0; g < group; ++g) vmax[g] = _mm256_set1_ps(-INFINITY);
-    const int64_t pack = bf16 ? 2 : 1, groups = head_dim / pack, row_bytes = block_size * 4; /* 4 = pack * elem */
+    const int64_t pack = kv_pack(kv), groups = head_dim / pack, row_bytes = block_size * pack * kv_elem(kv);
     const __m256i high = _mm256_set1_epi32((int)0xffff0000u), lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     for (int64_t start = 0; start < len; start += 8) {
         const int64_t b = start / block_size, chunk = (start % block_size) / 8;
-        const char *tile = key_cache + table[b] * kv_stride * tile_bytes + chunk * 32;
+        const char *tile = key_cache + table[b] * kv_stride * tile_bytes + chunk * 8 * pack * kv_elem(kv);
         if (chunk == 0) { /* as in scores_avx512: next block's K tile, this block's V tile */
             const int64_t next = b + 1;
             const char *next_k = next * block_size < len ? key_cache + table[next] * kv_stride * tile_bytes : 0;
@@ -240,9 +307,11 @@ static inline __attribute__((always_inline)) void scores_avx2(
         }
         __m256 acc[MAX_GROUP];
         for (int64_t g = 0; g < group; ++g) acc[g] = _mm256_setzero_ps();
+        const __m256 token_scales = kv_is_quantized(kv)
+            ? scales8(key_scale + table[b] * kv_stride * block_size + chunk * 8, kv) : _mm256_setzero_ps();
         for (int64_t p = 0; p < groups; ++p) {
             const char *row = tile + p * row_bytes;
-            if (bf16) {
+            if (kv == KV_BF16) {
                 const __m256i pairs = _mm256_loadu_si256((const __m256i *)row);
                 const __m256 k0 = _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16));
                 const __m256 k1 = _mm256_castsi256_ps(_mm256_and_si256(pairs, high));
@@ -251,7 +320,8 @@ static inline __attribute__((always_inline)) void scores_avx2(
                     acc[g] = _mm256_fmadd_ps(broadcast_bits(qb, g * head_dim + 2 * p + 1), k1, acc[g]);
                 }
             } else {
-                const __m256 k = _mm256_loadu_ps((const float *)row);
+                __m256 k = load8(row, kv);
+                if (kv_is_quantized(kv)) k = _mm256_mul_ps(k, token_scales);
                 for (int64_t g = 0; g < group; ++g)
                     acc[g] = _mm256_fmadd_ps(broadcast_bits(qb, g * head_dim + p), k, acc[g]);
             }
@@ -271,21 +341,26 @@ static inline __attribute__((always_inline)) void scores_avx2(
 /* One (sequence, kv head) work item with head_dim = 8 * NV, as item_avx512: scores, softmax, then the
  * weighted sum of V rows in registers. Called with a constant nv (8 or 16). */
 static inline __attribute__((always_inline)) void item_avx2(
-    const uint32_t *qb, const char *key_cache, const char *value_cache, const int64_t *table, int64_t len,
-    float *scores, int64_t group, int64_t block_size, int64_t tile, int64_t kv_stride, float scale,
-    const int bf16, const int nv, float *out_f32) {
-    const int64_t elem = bf16 ? 2 : 4, head_dim = 8 * nv;
+    const uint32_t *qb, const char *key_cache, const char *value_cache, const uint16_t *key_scale,
+    const uint16_t *value_scale, const int64_t *table, int64_t len, float *scores, int64_t group,
+    int64_t block_size, int64_t tile, int64_t kv_stride, float scale, const int kv, const int nv, float *out_f32) {
+    const int64_t elem = kv_elem(kv), head_dim = 8 * nv;
     __m256 o[MAX_GROUP][16], v[16];
     float maxs[MAX_GROUP];
     for (int64_t g = 0; g < group; ++g)
         for (int j = 0; j < nv; ++j) o[g][j] = _mm256_setzero_ps();
-    scores_avx2(qb, key_cache, table, len, scores, maxs, group, block_size, head_dim, tile * elem, kv_stride,
-                value_cache, scale, bf16);
+    scores_avx2(qb, key_cache, key_scale, table, len, scores, maxs, group, block_size, head_dim, tile * elem,
+                kv_stride, value_cache, scale, kv);
     softmax_rows(scores, maxs, group, len);
     for (int64_t t = 0; t < len; ++t) {
         const int64_t blk = table[t / block_size];
         const char *row = value_cache + ((blk * kv_stride) * tile + (t % block_size) * head_dim) * elem;
-        for (int j = 0; j < nv; ++j) v[j] = load8(row + 8 * j * elem, bf16);
+        for (int j = 0; j < nv; ++j) v[j] = load8(row + 8 * j * elem, kv);
+        if (kv_is_quantized(kv)) {
+            const __m256 s = _mm256_set1_ps(bf16_to_f32(value_scale[blk * kv_stride * block_size + t % block_size])
+                                            * scale_factor(kv));
+            for (int j = 0; j < nv; ++j) v[j] = _mm256_mul_ps(v[j], s);
+        }
         for (int64_t g = 0; g < group; ++g) {
             const __m256 p = _mm256_set1_ps(scores[g * len + t]);
             for (int j = 0; j < nv; ++j) o[g][j] = _mm256_fmadd_ps(p, v[j], o[g][j]);
@@ -298,112 +373,118 @@ static inline __attribute__((always_inline)) void item_avx2(
 
 /* One (sequence, kv head) pair; returns nonzero if it could not get memory. */
 static inline __attribute__((always_inline)) int decode_item(
-    const void *query, const void *key_cache, const void *value_cache, const int64_t *block_tables,
-    const int64_t *context_lens, void *out, int64_t work, int64_t num_heads, int64_t kv_heads, int64_t head_dim,
-    int64_t block_size, int64_t max_blocks, float scale, const int bf16) {
-    const int64_t group = num_heads / kv_heads, elem = bf16 ? 2 : 4, tile = block_size * head_dim;
-    {
-        const int64_t b = work / kv_heads, h = work % kv_heads, len = context_lens[b];
-        float q[MAX_GROUP][MAX_HEAD_DIM], acc[MAX_GROUP][MAX_HEAD_DIM], rows[MAX_BLOCK * MAX_HEAD_DIM];
-        float maxs[MAX_GROUP];
-        float *scores = malloc(sizeof(float) * (size_t)(group * (len > 0 ? len : 1)));
-        if (!scores) return 1;
+    const void *query, const void *key_cache, const void *value_cache, const uint16_t *key_scale,
+    const uint16_t *value_scale, const int64_t *block_tables, const int64_t *context_lens, void *out, int64_t work,
+    int64_t num_heads, int64_t kv_heads, int64_t head_dim, int64_t block_size, int64_t max_blocks, float scale,
+    const int qbf16, const int kv) {
+    const int64_t group = num_heads / kv_heads, elem = kv_elem(kv), qelem = qbf16 ? 2 : 4;
+    const int64_t tile = block_size * head_dim;
+    const int64_t b = work / kv_heads, h = work % kv_heads, len = context_lens[b], row0 = b * num_heads + h * group;
+    const int64_t *table = block_tables + b * max_blocks;
+    float q[MAX_GROUP][MAX_HEAD_DIM], acc[MAX_GROUP][MAX_HEAD_DIM], rows[MAX_BLOCK * MAX_HEAD_DIM];
+    float maxs[MAX_GROUP];
+    float *scores = malloc(sizeof(float) * (size_t)(group * (len > 0 ? len : 1)));
+    if (!scores) return 1;
+    /* caches offset to this kv head; kv_stride = kv_heads turns block ids into tile ids */
+    const char *kc = (const char *)key_cache + h * tile * elem, *vc = (const char *)value_cache + h * tile * elem;
+    const uint16_t *ks = key_scale ? key_scale + h * block_size : NULL;
+    const uint16_t *vs = value_scale ? value_scale + h * block_size : NULL;
 #if defined(__AVX512F__)
-        if ((head_dim == 64 || head_dim == 128) && block_size % 16 == 0) {
-            /* key_cache is offset to this kv head; kv_stride = kv_heads turns block ids into tile ids */
-            const char *kc = (const char *)key_cache + h * tile * elem, *vc = (const char *)value_cache + h * tile * elem;
-            const int64_t row0 = b * num_heads + h * group;
-            if (head_dim == 64)
-                item_avx512((const char *)query, kc, vc, block_tables + b * max_blocks, len, scores, group,
-                            block_size, tile, row0, kv_heads, scale, bf16, 4, acc[0]);
-            else
-                item_avx512((const char *)query, kc, vc, block_tables + b * max_blocks, len, scores, group,
-                            block_size, tile, row0, kv_heads, scale, bf16, 8, acc[0]);
-            for (int64_t g = 0; g < group; ++g)
-                store_row(out, (row0 + g) * head_dim, acc[0] + g * head_dim, 1.f, head_dim, bf16);
-            free(scores);
-            return 0;
-        }
-#elif defined(__AVX2__) && defined(__FMA__)
-        if ((head_dim == 64 || head_dim == 128) && block_size % 8 == 0) {
-            const char *kc = (const char *)key_cache + h * tile * elem, *vc = (const char *)value_cache + h * tile * elem;
-            const int64_t row0 = b * num_heads + h * group;
-            uint32_t qb[MAX_GROUP * MAX_HEAD_DIM];
-            query_bits((const char *)query + row0 * head_dim * elem, bf16, group * head_dim, qb);
-            if (head_dim == 64)
-                item_avx2(qb, kc, vc, block_tables + b * max_blocks, len, scores, group, block_size, tile, kv_heads,
-                          scale, bf16, 8, acc[0]);
-            else
-                item_avx2(qb, kc, vc, block_tables + b * max_blocks, len, scores, group, block_size, tile, kv_heads,
-                          scale, bf16, 16, acc[0]);
-            for (int64_t g = 0; g < group; ++g)
-                store_row(out, (row0 + g) * head_dim, acc[0] + g * head_dim, 1.f, head_dim, bf16);
-            free(scores);
-            return 0;
-        }
-#endif
-        for (int64_t g = 0; g < group; ++g) {
-            const int64_t at = (b * num_heads + h * group + g) * head_dim;
-            tile_to_f32((const char *)query + at * elem, bf16, head_dim, q[g]);
-            for (int64_t d = 0; d < head_dim; ++d) {
-                q[g][d] *= scale;
-                acc[g][d] = 0.f;
-            }
-            maxs[g] = -INFINITY;
-        }
-        /* scores = q . k for every cached token, one block tile at a time */
-        for (int64_t start = 0; start < len; start += block_size) {
-            const int64_t blk = block_tables[b * max_blocks + start / block_size];
-            const int64_t n = len - start < block_size ? len - start : block_size;
-            key_tile_to_rows((const char *)key_cache + (blk * kv_heads + h) * tile * elem, bf16, n, head_dim,
-                             block_size, rows);
-            for (int64_t g = 0; g < group; ++g)
-                for (int64_t t = 0; t < n; ++t) {
-                    const float *k = rows + t * head_dim;
-                    float s = 0.f;
-#pragma omp simd reduction(+ : s)
-                    for (int64_t d = 0; d < head_dim; ++d) s += q[g][d] * k[d];
-                    scores[g * len + start + t] = s;
-                    maxs[g] = s > maxs[g] ? s : maxs[g];
-                }
-        }
-        softmax_rows(scores, maxs, group, len);
-        /* out = softmax(scores) . v */
-        for (int64_t start = 0; start < len; start += block_size) {
-            const int64_t blk = block_tables[b * max_blocks + start / block_size];
-            const int64_t n = len - start < block_size ? len - start : block_size;
-            tile_to_f32((const char *)value_cache + (blk * kv_heads + h) * tile * elem, bf16, n * head_dim, rows);
-            for (int64_t g = 0; g < group; ++g)
-                for (int64_t t = 0; t < n; ++t) {
-                    const float p = scores[g * len + start + t], *v = rows + t * head_dim;
-                    float *a = acc[g];
-#pragma omp simd
-                    for (int64_t d = 0; d < head_dim; ++d) a[d] += p * v[d];
-                }
-        }
-        for (int64_t g = 0; g < group; ++g)
-            store_row(out, (b * num_heads + h * group + g) * head_dim, acc[g], 1.f, head_dim, bf16);
+    if ((head_dim == 64 || head_dim == 128) && block_size % 16 == 0) {
+        if (head_dim == 64)
+            item_avx512((const char *)query, kc, vc, ks, vs, table, len, scores, group, block_size, tile, row0,
+                        kv_heads, scale, qbf16, kv, 4, acc[0]);
+        else
+            item_avx512((const char *)query, kc, vc, ks, vs, table, len, scores, group, block_size, tile, row0,
+                        kv_heads, scale, qbf16, kv, 8, acc[0]);
+        for (int64_t g = 0; g < group; ++g) store_row(out, (row0 + g) * head_dim, acc[0] + g * head_dim, head_dim, qbf16);
         free(scores);
+        return 0;
     }
+#elif defined(__AVX2__) && defined(__FMA__)
+    if ((head_dim == 64 || head_dim == 128) && block_size % 8 == 0) {
+        uint32_t qb[MAX_GROUP * MAX_HEAD_DIM];
+        query_to_f32((const char *)query + row0 * head_dim * qelem, qbf16, group * head_dim, (float *)qb);
+        if (head_dim == 64)
+            item_avx2(qb, kc, vc, ks, vs, table, len, scores, group, block_size, tile, kv_heads, scale, kv, 8, acc[0]);
+        else
+            item_avx2(qb, kc, vc, ks, vs, table, len, scores, group, block_size, tile, kv_heads, scale, kv, 16, acc[0]);
+        for (int64_t g = 0; g < group; ++g) store_row(out, (row0 + g) * head_dim, acc[0] + g * head_dim, head_dim, qbf16);
+        free(scores);
+        return 0;
+    }
+#endif
+    for (int64_t g = 0; g < group; ++g) {
+        query_to_f32((const char *)query + (row0 + g) * head_dim * qelem, qbf16, head_dim, q[g]);
+        for (int64_t d = 0; d < head_dim; ++d) {
+            q[g][d] *= scale;
+            acc[g][d] = 0.f;
+        }
+        maxs[g] = -INFINITY;
+    }
+    /* scores = q . k for every cached token, one block tile at a time */
+    for (int64_t start = 0; start < len; start += block_size) {
+        const int64_t blk = table[start / block_size];
+        const int64_t n = len - start < block_size ? len - start : block_size;
+        key_tile_to_rows(kc + blk * kv_heads * tile * elem, kv, n, head_dim, block_size,
+                         ks ? ks + blk * kv_heads * block_size : NULL, rows);
+        for (int64_t g = 0; g < group; ++g)
+            for (int64_t t = 0; t < n; ++t) {
+                const float *k = rows + t * head_dim;
+                float s = 0.f;
+#pragma omp simd reduction(+ : s)
+                for (int64_t d = 0; d < head_dim; ++d) s += q[g][d] * k[d];
+                scores[g * len + start + t] = s;
+                maxs[g] = s > maxs[g] ? s : maxs[g];
+            }
+    }
+    softmax_rows(scores, maxs, group, len);
+    /* out = softmax(scores) . v */
+    for (int64_t start = 0; start < len; start += block_size) {
+        const int64_t blk = table[start / block_size];
+        const int64_t n = len - start < block_size ? len - start : block_size;
+        value_tile_to_rows(vc + blk * kv_heads * tile * elem, kv, n, head_dim,
+                           vs ? vs + blk * kv_heads * block_size : NULL, rows);
+        for (int64_t g = 0; g < group; ++g)
+            for (int64_t t = 0; t < n; ++t) {
+                const float p = scores[g * len + start + t], *v = rows + t * head_dim;
+                float *a = acc[g];
+#pragma omp simd
+                for (int64_t d = 0; d < head_dim; ++d) a[d] += p * v[d];
+            }
+    }
+    for (int64_t g = 0; g < group; ++g) store_row(out, (row0 + g) * head_dim, acc[g], head_dim, qbf16);
+    free(scores);
     return 0;
 }
 
-/* Entry points, one per dtype. The parallel loop is written in each (not in a shared inline function) because
- * OpenMP outlines it before inlining, which would turn the dtype flag back into a runtime value. */
-#define DECODE_ENTRY(NAME, BF16)                                                                                \
-    int NAME(const void *query, const void *key_cache, const void *value_cache, const int64_t *block_tables,     \
-             const int64_t *context_lens, void *out, int64_t batch, int64_t num_heads, int64_t kv_heads,          \
-             int64_t head_dim, int64_t block_size, int64_t max_blocks, float scale, int num_threads) {           \
+/* Entry points, one per (query dtype, cache kind). The parallel loop is written in each (not in a shared
+ * inline function) because OpenMP outlines it before inlining, which would turn the flags back into runtime
+ * values. key_scale / value_scale: the bf16 scales of an 8-bit cache [num_blocks][kv_heads][block_size],
+ * else NULL. */
+#define DECODE_ENTRY(NAME, QBF16, KV)                                                                           \
+    int NAME(const void *query, const void *key_cache, const void *value_cache, const uint16_t *key_scale,       \
+             const uint16_t *value_scale, const int64_t *block_tables, const int64_t *context_lens, void *out,    \
+             int64_t batch, int64_t num_heads, int64_t kv_heads, int64_t head_dim, int64_t block_size,           \
+             int64_t max_blocks, float scale, int num_threads) {                                                 \
         const int64_t group = num_heads / kv_heads;                                                              \
         if (group > MAX_GROUP || head_dim > MAX_HEAD_DIM || block_size > MAX_BLOCK || group * kv_heads != num_heads) \
             return 1;                                                                                            \
+        if (kv_is_quantized(KV) && (!key_scale || !value_scale)) return 3;                                        \
         int failed = 0;                                                                                          \
         _Pragma("omp parallel for num_threads(num_threads) schedule(dynamic, 4) reduction(| : failed)")          \
         for (int64_t work = 0; work < batch * kv_heads; ++work)                                                  \
-            failed |= decode_item(query, key_cache, value_cache, block_tables, context_lens, out, work, num_heads, \
-                                  kv_heads, head_dim, block_size, max_blocks, scale, BF16);                      \
+            failed |= decode_item(query, key_cache, value_cache, key_scale, value_scale, block_tables,            \
+                                  context_lens, out, work, num_heads, kv_heads, head_dim, block_size, max_blocks,  \
+                                  scale, QBF16, KV);                                                             \
         return failed ? 2 : 0;                                                                                   \
     }
 
-DECODE_ENTRY(decode_attention_f32, 0)
-DECODE_ENTRY(decode_attention_bf16, 1)
+DECODE_ENTRY(decode_attention_f32, 0, KV_F32)
+DECODE_ENTRY(decode_attention_bf16, 1, KV_BF16)
+DECODE_ENTRY(decode_attention_f32_int8, 0, KV_INT8)
+DECODE_ENTRY(decode_attention_f32_fp8_e4m3, 0, KV_FP8_E4M3)
+DECODE_ENTRY(decode_attention_f32_fp8_e5m2, 0, KV_FP8_E5M2)
+DECODE_ENTRY(decode_attention_bf16_int8, 1, KV_INT8)
+DECODE_ENTRY(decode_attention_bf16_fp8_e4m3, 1, KV_FP8_E4M3)
+DECODE_ENTRY(decode_attention_bf16_fp8_e5m2, 1, KV_FP8_E5M2)

@@ -12,6 +12,7 @@
  *   qkv = h W_qkv (+ b); rotate q, k and store k, v in the cache; q copied out contiguous
  *   x = attention(q) W_o (+ b);  h = norm(x, res);  x = swiglu(h W_gate_up (+ b)) W_down (+ b)
  * On return `hidden` holds the last layer's x and `residual` the stream; the caller applies the final norm.
+ * The KV cache is bf16 or 8-bit (the attention entry point and kv_kind match it).
  *
  * With LoRA rows (Step.lora set), each of the four matmuls is followed by its adapters' deltas, as
  * lora/layers.py's LinearLoRA.add_delta computes them: per run of rows of one slot, t = x A^T with the gemm,
@@ -25,13 +26,13 @@ typedef int (*rms_norm_fn)(const void *x, void *residual, const void *weight, vo
 typedef int (*gemm_fn)(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, uint16_t *y, int64_t m,
                        int64_t n, int64_t k, int threads);
 typedef int (*rotary_fn)(void *qkv, int64_t row_stride, const int64_t *positions, const float *cos_table,
-                         const float *sin_table, void *key_cache, void *value_cache, const int64_t *slots,
-                         int64_t tokens, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size,
-                         int bf16, int threads);
+                         const float *sin_table, void *key_cache, void *value_cache, uint16_t *key_scale,
+                         uint16_t *value_scale, const int64_t *slots, int64_t tokens, int64_t heads,
+                         int64_t kv_heads, int64_t head_dim, int64_t block_size, int kv_kind, int bf16, int threads);
 typedef int (*attention_fn)(const void *query, const void *key_cache, const void *value_cache,
-                            const int64_t *block_tables, const int64_t *context_lens, void *out, int64_t batch,
-                            int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size,
-                            int64_t max_blocks, float scale, int threads);
+                            const uint16_t *key_scale, const uint16_t *value_scale, const int64_t *block_tables,
+                            const int64_t *context_lens, void *out, int64_t batch, int64_t heads, int64_t kv_heads,
+                            int64_t head_dim, int64_t block_size, int64_t max_blocks, float scale, int threads);
 typedef int (*swiglu_fn)(const void *gate_up, void *out, int64_t rows, int64_t d, int bf16, int threads);
 typedef int (*gemm_accumulate_fn)(const uint16_t *x, const uint16_t *packed, uint16_t *y, int64_t m, int64_t n,
                                   int64_t k, int threads);
@@ -45,14 +46,16 @@ typedef struct {
     swiglu_fn swiglu;
 } Kernels;
 
-typedef struct { /* one layer's weights (packed for the gemm; biases NULL when absent) and its KV cache */
+typedef struct { /* one layer's weights (packed for the gemm; biases NULL when absent) and its KV cache (the
+                    scales NULL unless the cache is 8-bit) */
     const void *input_norm, *post_norm;
     const void *qkv, *qkv_bias, *o, *o_bias, *gate_up, *gate_up_bias, *down, *down_bias;
     void *key_cache, *value_cache;
+    uint16_t *key_scale, *value_scale;
 } Layer;
 
 typedef struct {
-    int64_t hidden, heads, kv_heads, head_dim, intermediate, block_size;
+    int64_t hidden, heads, kv_heads, head_dim, intermediate, block_size, kv_kind; /* kv_kind: kv_quant.h */
     float eps, scale;
 } Shape;
 
@@ -129,12 +132,14 @@ static int layer(const Kernels *k, const Layer *w, const LayerLoRA *lora, const 
     if (status || (status = linear(k, st, lora ? &lora->qkv : NULL, h, w->qkv, w->qkv_bias, qkv, qkv_size, s->hidden)))
         return status;
     status = k->rotary(qkv, qkv_size, st->positions, st->cos_table, st->sin_table, w->key_cache, w->value_cache,
-                       st->slots, m, s->heads, s->kv_heads, s->head_dim, s->block_size, 1, t);
+                       w->key_scale, w->value_scale, st->slots, m, s->heads, s->kv_heads, s->head_dim,
+                       s->block_size, (int)s->kv_kind, 1, t);
     if (status) return status;
     for (int64_t r = 0; r < m; ++r)
         memcpy(q + r * q_size, qkv + r * qkv_size, sizeof(uint16_t) * (size_t)q_size);
-    status = k->attention(q, w->key_cache, w->value_cache, st->block_tables, st->context_lens, attn, m, s->heads,
-                          s->kv_heads, s->head_dim, s->block_size, st->max_blocks, s->scale, t);
+    status = k->attention(q, w->key_cache, w->value_cache, w->key_scale, w->value_scale, st->block_tables,
+                          st->context_lens, attn, m, s->heads, s->kv_heads, s->head_dim, s->block_size,
+                          st->max_blocks, s->scale, t);
     if (status || (status = linear(k, st, lora ? &lora->o : NULL, attn, w->o, w->o_bias, st->hidden, s->hidden, q_size)))
         return status;
     if ((status = k->rms_norm(st->hidden, st->residual, w->post_norm, h, m, s->hidden, s->eps, 1, t))) return status;

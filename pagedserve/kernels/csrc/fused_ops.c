@@ -13,6 +13,7 @@
 
 #include "bf16.h"
 #include "fast_exp.h"
+#include "kv_quant.h"
 
 /* Below this many elements a single thread is faster than waking the pool. */
 #define PARALLEL_MIN_ELEMS 32768
@@ -98,11 +99,13 @@ int rms_norm(const void *x, void *residual, const void *weight, void *out, int64
  *   x[i + half] = round(round(x2 * cos[i + half]) + round(x1 * sin[i + half]))
  * Caches (pagedserve/attention/kv_layout.py): V tiles [block_size][head_dim], K tiles
  * [head_dim / pack][block_size][pack] with pack = 2 in bf16 and 1 in f32; slot = block * block_size + offset
- * (< 0: not stored). */
+ * (< 0: not stored). With an 8-bit cache (kv_kind, kv_quant.h) the tiles hold codes (pack 1) and each
+ * (token, head) of K and of V gets its bf16 scale at key_scale / value_scale [block][kv_head][block_size]. */
 static inline __attribute__((always_inline)) void rotary_and_cache_row(
     void *qkv, int64_t row_stride, const int64_t *positions, const float *cos_table, const float *sin_table,
-    void *key_cache, void *value_cache, const int64_t *slots, int64_t t, int64_t num_heads, int64_t kv_heads,
-    int64_t head_dim, int64_t block_size, const int bf16) {
+    void *key_cache, void *value_cache, uint16_t *key_scale, uint16_t *value_scale, const int64_t *slots,
+    int64_t t, int64_t num_heads, int64_t kv_heads, int64_t head_dim, int64_t block_size, const int kv_kind,
+    const int bf16) {
     const int64_t half = head_dim / 2, elem = bf16 ? 2 : 4, pack = bf16 ? 2 : 1; /* pack * elem = 4 bytes */
     float c[head_dim], s[head_dim];
     const float *cos_row = cos_table + positions[t] * head_dim, *sin_row = sin_table + positions[t] * head_dim;
@@ -127,6 +130,16 @@ static inline __attribute__((always_inline)) void rotary_and_cache_row(
     const int64_t block = slot / block_size, offset = slot % block_size;
     const char *k = (const char *)qkv + (row + num_heads * head_dim) * elem;
     const char *v = k + kv_heads * head_dim * elem;
+    if (kv_is_quantized(kv_kind)) {
+        for (int64_t h = 0; h < kv_heads; ++h) {
+            const int64_t tile = (block * kv_heads + h) * block_size; /* tokens before this (block, head) */
+            uint8_t *kq = (uint8_t *)key_cache + tile * head_dim + offset;
+            uint8_t *vq = (uint8_t *)value_cache + (tile + offset) * head_dim;
+            key_scale[tile + offset] = kv_quantize(k + h * head_dim * elem, bf16, head_dim, kq, block_size, kv_kind);
+            value_scale[tile + offset] = kv_quantize(v + h * head_dim * elem, bf16, head_dim, vq, 1, kv_kind);
+        }
+        return;
+    }
     for (int64_t h = 0; h < kv_heads; ++h) {
         const int64_t tile = (block * kv_heads + h) * block_size * head_dim; /* elements */
         memcpy((char *)value_cache + (tile + offset * head_dim) * elem, v + h * head_dim * elem,
@@ -139,13 +152,15 @@ static inline __attribute__((always_inline)) void rotary_and_cache_row(
 }
 
 int rotary_and_cache(void *qkv, int64_t row_stride, const int64_t *positions, const float *cos_table,
-                     const float *sin_table, void *key_cache, void *value_cache, const int64_t *slots,
-                     int64_t tokens, int64_t num_heads, int64_t kv_heads, int64_t head_dim, int64_t block_size,
-                     int bf16, int num_threads) {
+                     const float *sin_table, void *key_cache, void *value_cache, uint16_t *key_scale,
+                     uint16_t *value_scale, const int64_t *slots, int64_t tokens, int64_t num_heads,
+                     int64_t kv_heads, int64_t head_dim, int64_t block_size, int kv_kind, int bf16,
+                     int num_threads) {
     if (head_dim % 2 || head_dim > 1024) return 1;
     const int threads = tokens * (num_heads + 2 * kv_heads) * head_dim >= PARALLEL_MIN_ELEMS ? num_threads : 1;
 #define ROW(BF16) rotary_and_cache_row(qkv, row_stride, positions, cos_table, sin_table, key_cache, value_cache, \
-                                       slots, r, num_heads, kv_heads, head_dim, block_size, BF16)
+                                       key_scale, value_scale, slots, r, num_heads, kv_heads, head_dim, \
+                                       block_size, kv_kind, BF16)
     FOR_ROWS_BY_DTYPE(tokens, threads, bf16, ROW);
 #undef ROW
     return 0;
