@@ -65,8 +65,9 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     if meta.decode is not None:
         n = meta.decode.num_seqs
         out[:n] = _decode_attention(query[:n], key_cache, value_cache, meta.decode, kv_scales)
-    if kv_scales is not None:
+    if kv_scales is not None:  # attention over the dequantized values, computed in float32
         key, value = kv_quant.roundtrip(key, key_cache.dtype), kv_quant.roundtrip(value, key_cache.dtype)
+        query = query.float()
     for group in _fresh_runs(meta.prefills):
         seq = group[0]
         rows = slice(seq.query_start, seq.query_start + len(group) * seq.query_len)
@@ -129,16 +130,18 @@ def decode_attention_torch(query: torch.Tensor, key_cache: torch.Tensor, value_c
     k = key_tiles_as_rows(k_tiles.view(key_cache.dtype))
     v = _tiles(value_cache, kv_scales is not None).view(-1, block_size, head_dim).index_select(0, flat_ids)
     v = v.view(value_cache.dtype)
-    if kv_scales is not None:
-        k, v = (kv_quant.dequantize(x, s.view(-1, block_size).index_select(0, flat_ids), query.dtype)
+    q = query
+    if kv_scales is not None:  # attention over the dequantized values, computed in float32
+        k, v = (kv_quant.dequantize(x, s.view(-1, block_size).index_select(0, flat_ids))
                 for x, s in ((k, kv_scales[0]), (v, kv_scales[1])))
+        q = query.float()
     k, v = k.reshape(shape), v.reshape(shape)
     # Grouped-query attention without repeating K/V: the query heads that share a KV head become that
     # head's rows (one token each, so there is no causal structure to keep).
-    q = query.view(batch, kv_heads, num_heads // kv_heads, head_dim)
+    q = q.view(batch, kv_heads, num_heads // kv_heads, head_dim)
     scores = torch.matmul(q, k.transpose(-1, -2)).float().mul_(head_dim ** -0.5).add_(decode.key_bias)
     probs = torch.softmax(scores, dim=-1).to(v.dtype)
-    return torch.matmul(probs, v).reshape(batch, num_heads * head_dim)
+    return torch.matmul(probs, v).reshape(batch, num_heads * head_dim).to(query.dtype)
 
 
 def _tiles(cache: torch.Tensor, quantized: bool) -> torch.Tensor:

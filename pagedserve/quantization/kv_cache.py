@@ -58,7 +58,7 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype 
 
 
 def roundtrip(x: torch.Tensor, dtype: Optional[torch.dtype]) -> torch.Tensor:
-    """x as a cache of `dtype` gives it back (x itself for an unquantized cache), in x's dtype."""
+    """x as a cache of `dtype` gives it back: float32 values for an 8-bit cache (x itself otherwise)."""
     if dtype is None or not is_quantized(dtype):
         return x
-    return dequantize(*quantize(x, dtype), out_dtype=x.dtype)
+    return dequantize(*quantize(x, dtype))

@@ -63,19 +63,20 @@ def test_fp8_codes_round_to_nearest_even_like_torch_casts(kv_dtype, isa):
     candidates = torch.cat([values, (values[1:] + values[:-1]) / 2])
     qmax = kv_quant.QMAX[kv_dtype]
     head_dim = 64
-    rows = candidates[: len(candidates) // (head_dim - 1) * (head_dim - 1)].view(-1, head_dim - 1)
+    candidates = torch.cat([candidates, torch.zeros(-len(candidates) % (head_dim - 1))])  # pad the last row
+    rows = candidates.view(-1, head_dim - 1)
     # one element per row at +-qmax pins the scale to 1, so each candidate is encoded as it is
     rows = torch.cat([rows, torch.full((len(rows), 1), qmax)], dim=1)
     codes, scale = kv_quant.quantize(rows, kv_dtype)
     assert torch.equal(scale.float(), torch.ones(len(rows)))
     assert torch.equal(codes.view(torch.uint8), rows.to(kv_dtype).view(torch.uint8))
-    test_write = _write_through_kernel(rows, kv_dtype)
-    assert torch.equal(test_write, codes.view(torch.uint8))
+    written, written_scale = _write_through_kernel(rows, kv_dtype)
+    assert torch.equal(written, codes.view(torch.uint8)) and torch.equal(written_scale, scale)
 
 
 def _write_through_kernel(values: torch.Tensor, kv_dtype: torch.dtype) -> torch.Tensor:
     """values [n, head_dim] as V rows written by the C kernel (k = v, one kv head, no q head; position 0
-    rotates by nothing), returned as the cached V bytes [n, head_dim]."""
+    rotates by nothing), returned as the cached V bytes [n, head_dim] and their scales [n]."""
     n, head_dim = values.shape
     qkv = torch.cat([values, values], dim=1).contiguous()
     cos, sin = torch.ones(1, head_dim), torch.zeros(1, head_dim)
@@ -85,7 +86,7 @@ def _write_through_kernel(values: torch.Tensor, kv_dtype: torch.dtype) -> torch.
     scales = tuple(torch.zeros(blocks, 1, 16, dtype=torch.bfloat16) for _ in range(2))
     fused_ops.rotary_and_cache(qkv, torch.zeros(n, dtype=torch.int64), cos, sin, key_cache, value_cache,
                                torch.arange(n), 0, 1, head_dim, scales)
-    return value_cache.view(torch.uint8).reshape(-1, head_dim)[:n]
+    return value_cache.view(torch.uint8).reshape(-1, head_dim)[:n], scales[1].reshape(-1)[:n]
 
 
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES, ids=str)
@@ -108,3 +109,13 @@ def test_kv_cache_dtype_names_map_to_their_storage():
         kv_quant.kv_storage_dtype("fp4", torch.float32)
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, fp8, fp8_e4m3, fp8_e5m2, int8"):
         CacheConfig(kv_cache_dtype="float16")
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES, ids=str)
+def test_a_nan_in_k_or_v_stays_nan_in_the_cache(kv_dtype, isa):
+    """A model that blew up must not be hidden: the row's scale (and fp8 codes) come back NaN."""
+    values = torch.randn(2, 64)
+    values[1, 5] = float("nan")
+    codes, scales = _write_through_kernel(values, kv_dtype)
+    back = kv_quant.dequantize(codes.view(kv_dtype), scales)
+    assert not back[0].isnan().any() and back[1].isnan().all()

@@ -61,8 +61,10 @@ static inline float e5m2_to_f32(uint8_t c) {
     return (c & 0x80) ? -v : v;
 }
 
-/* The code of x (already divided by its scale and clamped to +-QMAX). */
+/* The code of x (already divided by its scale and clamped to +-QMAX). NaN (a model that blew up) stays NaN:
+ * the fp8 NaN code, or for int8 a code of 0 whose scale is NaN. */
 static inline uint8_t kv_encode(float x, int kind) {
+    if (x != x) return kind == KV_INT8 ? 0 : 0x7f;
     if (kind == KV_INT8) return (uint8_t)(int8_t)nearbyintf(x);
     return kind == KV_FP8_E4M3 ? f32_to_e4m3(x) : f32_to_e5m2(x);
 }
@@ -85,7 +87,8 @@ static inline uint16_t kv_quantize(const void *src, int bf16, int64_t count, uin
     float amax = 0.f;
     for (int64_t i = 0; i < count; ++i) {
         const float v = fabsf(bf16 ? bf16_to_f32(((const uint16_t *)src)[i]) : ((const float *)src)[i]);
-        amax = v > amax ? v : amax;
+        amax = v > amax || v != v ? v : amax; /* a NaN wins, as in torch's amax */
+        if (amax != amax) break;
     }
     const uint16_t scale = kv_scale(amax, kind);
     const float s = bf16_to_f32(scale), qmax = kv_qmax(kind);
