@@ -14,6 +14,7 @@ from typing import Optional
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 SCHEDULING_POLICIES = ("fcfs", "priority", "fair")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
+QUANTIZATION_METHODS = (None, "gguf")
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,14 @@ class ModelConfig:
     """Seed for the random state of requests that set no seed of their own."""
     device: str = "auto"
     """Device to run on: auto (cuda when available, else cpu), cpu or cuda."""
+    quantization: Optional[str] = None
+    """Weights: None (dequantized on load to dtype) or gguf (a GGUF file's Q8_0, Q4_0, Q4_1 and Q4_K linear
+    weights stay quantized in memory and the matmuls compute from them; other types are dequantized)."""
+
+    def __post_init__(self) -> None:
+        if self.quantization not in QUANTIZATION_METHODS:
+            raise ValueError(f"quantization must be one of {', '.join(str(m) for m in QUANTIZATION_METHODS)}, "
+                             f"got {self.quantization!r}")
 
 
 @dataclass(frozen=True)

@@ -5,8 +5,9 @@ function pointers into their libraries, so the result is bit for bit that of the
 is the Python between them (~300 module calls, allocations and ctypes conversions a step), which at a few
 sequences took as long as the matmuls.
 
-`DecodeLayers.build(model)` returns None unless every piece has its C path here (bf16 weights packed for the
-small-batch matmul, the fused ops, the decode-attention kernel for these shapes; a bf16 or 8-bit KV cache). `runs(num_rows, meta)` says
+`DecodeLayers.build(model)` returns None unless every piece has its C path here (a bf16 model whose linear
+weights are packed for the small-batch matmul or kept block-quantized for quant_gemm, the fused ops, the
+decode-attention kernel for these shapes; a bf16 or 8-bit KV cache). `runs(num_rows, meta)` says
 whether a step qualifies: decodes only (one new token per sequence), at most skinny_gemm.MAX_ROWS of them.
 
 With LoRA slots on the linears (lora/layers.py, packed for the same kernel), steps with adapter rows run here
@@ -23,7 +24,7 @@ import torch
 
 from pagedserve.attention import cpu_decode
 from pagedserve.attention.metadata import AttentionMetadata
-from pagedserve.kernels import fused_ops, skinny_gemm
+from pagedserve.kernels import fused_ops, quant_gemm, skinny_gemm
 from pagedserve.kernels.build import load_library
 from pagedserve.quantization import kv_cache as kv_quant
 
@@ -31,13 +32,14 @@ _P, _I64, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
 
 class _Kernels(ctypes.Structure):
-    _fields_ = [(name, _P) for name in ("rms_norm", "gemm", "gemm_accumulate", "rotary", "attention", "swiglu")]
+    _fields_ = [(name, _P) for name in ("rms_norm", "gemm", "gemm_accumulate", "rotary", "attention", "swiglu",
+                                        "quant_gemm")]
 
 
 class _Layer(ctypes.Structure):
     _fields_ = [(name, _P) for name in ("input_norm", "post_norm", "qkv", "qkv_bias", "o", "o_bias", "gate_up",
                                         "gate_up_bias", "down", "down_bias", "key_cache", "value_cache",
-                                        "key_scale", "value_scale")]
+                                        "key_scale", "value_scale")] + [("kinds", _I64 * 4)]
 
 
 class _Shape(ctypes.Structure):
@@ -98,20 +100,23 @@ class DecodeLayers:
         layers = model.model.layers
         attn = layers[0].self_attn
         probe = torch.empty(1, attn.q_size, dtype=torch.bfloat16)
-        if (attn.key_cache is None or not _takes_cache(attn.key_cache.dtype) or not fused_ops.fuses_swiglu(probe)
+        if (model.model.embed_tokens.weight.dtype != torch.bfloat16 or skinny_gemm._lib() is None
+                or attn.key_cache is None
+                or not _takes_cache(attn.key_cache.dtype) or not fused_ops.fuses_swiglu(probe)
                 or not fused_ops.fuses_rotary(probe)
                 or not cpu_decode.supports(probe.view(1, attn.num_heads, attn.head_dim), attn.key_cache)
-                or any(lin.packed is None for layer in layers for lin in (
-                    layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj))):
+                or any(lin.packed is None and lin.quantized is None for layer in layers for lin in _linears(layer))
+                or (any(lin.quantized is not None for layer in layers for lin in _linears(layer))
+                    and not quant_gemm.available())):
             return None
         library = _library()
         if library is None:
             return None
-        ops, gemm, attention = fused_ops._lib(), skinny_gemm._lib(), cpu_decode.load()
+        ops, gemm, attention, quantized = fused_ops._lib(), skinny_gemm._lib(), cpu_decode.load(), quant_gemm._lib()
         kernels = _Kernels(_address(ops, "rms_norm"), _address(gemm, "skinny_gemm"),
                            _address(gemm, "skinny_gemm_accumulate"), _address(ops, "rotary_and_cache"),
                            _address(attention, cpu_decode.function_name(torch.bfloat16, attn.key_cache.dtype)),
-                           _address(ops, "swiglu"))
+                           _address(ops, "swiglu"), _address(quantized, "quant_gemm") if quantized else None)
         table = (_Layer * len(layers))(*[_layer_struct(layer) for layer in layers])
         shape = _Shape(model.config.hidden_size, attn.num_heads, attn.num_kv_heads, attn.head_dim,
                        layers[0].mlp.down_proj.in_features, attn.value_cache.shape[2],
@@ -164,13 +169,25 @@ class DecodeLayers:
         return hidden, residual
 
 
+def _linears(layer) -> tuple:
+    return layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj
+
+
+def _weight(linear) -> tuple[Optional[int], int]:
+    """(pointer, kind): the bf16 packed weight (kind 0) or the block-quantized one (its kind)."""
+    if linear.quantized is not None:
+        return linear.quantized.data.data_ptr(), linear.quantized.kind
+    return linear.packed.data.data_ptr(), 0
+
+
 def _layer_struct(layer) -> _Layer:
     attn, mlp = layer.self_attn, layer.mlp
+    (qkv, qkv_kind), (o, o_kind), (gate_up, gate_up_kind), (down, down_kind) = map(_weight, _linears(layer))
     return _Layer(_ptr(layer.input_layernorm.weight), _ptr(layer.post_attention_layernorm.weight),
-                  _ptr(attn.qkv_proj.packed.data), _ptr(attn.qkv_proj.bias), _ptr(attn.o_proj.packed.data),
-                  _ptr(attn.o_proj.bias), _ptr(mlp.gate_up_proj.packed.data), _ptr(mlp.gate_up_proj.bias),
-                  _ptr(mlp.down_proj.packed.data), _ptr(mlp.down_proj.bias), _ptr(attn.key_cache),
-                  _ptr(attn.value_cache), *(_ptr(s) for s in attn.kv_scales or (None, None)))
+                  qkv, _ptr(attn.qkv_proj.bias), o, _ptr(attn.o_proj.bias), gate_up, _ptr(mlp.gate_up_proj.bias),
+                  down, _ptr(mlp.down_proj.bias), _ptr(attn.key_cache), _ptr(attn.value_cache),
+                  *(_ptr(s) for s in attn.kv_scales or (None, None)),
+                  (_I64 * 4)(qkv_kind, o_kind, gate_up_kind, down_kind))
 
 
 def _takes_cache(dtype: torch.dtype) -> bool:

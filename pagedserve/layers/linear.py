@@ -10,9 +10,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.executor.forward_context import get_lora_mapping
-from pagedserve.kernels import skinny_gemm
+from pagedserve.kernels import quant_gemm, skinny_gemm
 
 if TYPE_CHECKING:
+    from pagedserve.kernels.quant_gemm import QuantizedWeight
     from pagedserve.lora.layers import LinearLoRA
 
 
@@ -27,14 +28,21 @@ class Linear(nn.Linear):
 
     packed: Optional[skinny_gemm.PackedWeight] = None
     lora: Optional["LinearLoRA"] = None
+    quantized: Optional["QuantizedWeight"] = None
+    """Set by the loader under --quantization gguf: the weight stays block-quantized and every batch size
+    computes from it (kernels/quant_gemm.py); `weight` is then empty."""
 
     def pack_for_small_batches(self, out: Optional[torch.Tensor] = None) -> bool:
         """Pack the weight (into `out`, sized by PackedWeight.packed_shape, when given)."""
+        if self.quantized is not None:
+            return False
         self.packed = skinny_gemm.PackedWeight.of(self.weight, out)
         return self.packed is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None and x.dim() == 2 and x.shape[0] <= skinny_gemm.MAX_ROWS:
+        if self.quantized is not None:
+            out = quant_gemm.linear(x.reshape(-1, x.shape[-1]), self.quantized, self.bias).view(*x.shape[:-1], -1)
+        elif self.packed is not None and x.dim() == 2 and x.shape[0] <= skinny_gemm.MAX_ROWS:
             out = skinny_gemm.linear(x, self.packed, self.bias)
         else:
             out = F.linear(x, self.weight, self.bias)

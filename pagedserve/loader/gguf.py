@@ -30,6 +30,7 @@ from tokenizers import AddedToken
 
 from pagedserve.loader.gguf_file import GGUFFile
 from pagedserve.loader.gguf_quants import SUPPORTED_TENSOR_TYPES, dequantize
+from pagedserve.quantization import gguf_weights
 from pagedserve.loader.gguf_tokenizer import (TOKEN_CONTROL, TOKEN_NORMAL, TOKEN_USER_DEFINED, _byte_level_bpe,
                                              _sentencepiece_bpe)
 
@@ -62,6 +63,8 @@ LAYER_TENSOR_NAMES = {
 # Tensors that are not parameters of the HF model. rope_freqs holds llama3-style RoPE scaling
 # factors, which the config expresses as rope_parameters instead.
 NON_PARAMETER_TENSORS = {"rope_freqs.weight"}
+LINEAR_KINDS = {"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"}
+"""The decoder layers' linear weights: the ones --quantization gguf keeps quantized."""
 
 
 
@@ -225,8 +228,12 @@ class GGUFCheckpoint:
 
     # -- weights -------------------------------------------------------------------------------
 
-    def iter_weights(self, dtype: torch.dtype, *, num_threads: Optional[int] = 1) -> Iterator[tuple[str, torch.Tensor]]:
+    def iter_weights(self, dtype: torch.dtype, *, num_threads: Optional[int] = 1,
+                     keep_quantized: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield (HF parameter name, tensor) for every weight, dequantized to ``dtype``, in file order.
+
+        keep_quantized: linear-layer weights of a type the quantized matmul takes (quantization/gguf_weights.py:
+        Q8_0, Q4_0, Q4_1, Q4_K) come as a GGUFQuantizedTensor instead (--quantization gguf).
 
         Tensors have HF shapes ([out_features, in_features] for linear weights) and, for llama, the
         q/k rows in HF order, so they equal the weights of the HF checkpoint the file was made from
@@ -258,11 +265,17 @@ class GGUFCheckpoint:
             if tensor.name in NON_PARAMETER_TENSORS:
                 continue
             shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+            kind = tensor.name.split(".")[-2]
             with _torch_threads(num_threads):  # not across the yield: the caller's ops keep their setting
-                weight = dequantize(tensor.data, tensor.tensor_type, shape, dtype)
-                kind = tensor.name.split(".")[-2]
-                if kind in rope_heads:
-                    weight = unpermute_rope_rows(weight, rope_heads[kind])
+                if keep_quantized and kind in LINEAR_KINDS and tensor.tensor_type in gguf_weights.KEPT_TYPES:
+                    weight = gguf_weights.from_gguf(tensor.name, tensor.data, tensor.tensor_type, shape)
+                    if kind in rope_heads:
+                        weight = weight.rows(unpermute_rope_rows(torch.arange(shape[0])[:, None],
+                                                                 rope_heads[kind])[:, 0])
+                else:
+                    weight = dequantize(tensor.data, tensor.tensor_type, shape, dtype)
+                    if kind in rope_heads:
+                        weight = unpermute_rope_rows(weight, rope_heads[kind])
             yield gguf_to_hf_name(tensor.name), weight
 
     # -- tokenizer -----------------------------------------------------------------------------

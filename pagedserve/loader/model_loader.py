@@ -100,14 +100,35 @@ def load_model(config: ModelConfig) -> LoadedModel:
         model = model_cls(hf_config, max_positions=max_model_len)
     model = model.to(dtype).to_empty(device=device)
     model.rotary.to(device)
-    model.load_weights(checkpoint.iter_weights(dtype))
+    model.load_weights(checkpoint.iter_weights(dtype, **_weight_options(config, checkpoint)))
     model.eval()
+    _log_quantized(model)
     tokenizer = load_tokenizer(config, checkpoint)
     eos = eos_token_ids(checkpoint, hf_config, tokenizer)
     seconds = time.perf_counter() - start
     logger.info("loaded %s (%s, %s on %s) in %.1f s", config.model or "default model", model_cls.__name__,
                 str(dtype).removeprefix("torch."), device, seconds)
     return LoadedModel(model, hf_config, tokenizer, eos, dtype, device, max_model_len, seconds)
+
+
+def _weight_options(config: ModelConfig, checkpoint) -> dict:
+    if config.quantization is None:
+        return {}
+    if not hasattr(checkpoint, "architecture"):  # not a GGUFCheckpoint
+        raise ValueError(f"quantization={config.quantization!r} needs a GGUF file; {config.model!r} is a folder")
+    return {"keep_quantized": True}
+
+
+def _log_quantized(model: torch.nn.Module) -> None:
+    from pagedserve.kernels import quant_gemm
+
+    weights = [m.quantized for m in model.modules() if getattr(m, "quantized", None) is not None]
+    if weights:
+        types = sorted({w.source_type for w in weights})
+        logger.info("%d linear weights kept quantized (%s, %.1f MiB), computed by the %s kernel", len(weights),
+                    ", ".join(types), sum(w.nbytes for w in weights) / 2**20,
+                    "AVX512-VNNI int8 (activations quantized per 32)" if quant_gemm.uses_vnni()
+                    else "dequantize-a-tile float32")
 
 
 def load_tokenizer(config: ModelConfig, checkpoint=None):

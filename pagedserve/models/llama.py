@@ -21,6 +21,7 @@ from pagedserve.layers.activation import silu_and_mul
 from pagedserve.layers.linear import Linear
 from pagedserve.layers.norm import RMSNorm
 from pagedserve.layers.rotary import RotaryEmbedding, apply_rotary
+from pagedserve.quantization.gguf_weights import GGUFQuantizedTensor, QuantizedParts
 
 
 class RopeInputs(NamedTuple):
@@ -170,7 +171,7 @@ class LlamaForCausalLM(nn.Module):
         see layers/linear.py), and, where every kernel has its C path, run the layers of small decode-only
         steps as one C call (kernels/decode_layers.py). Returns how many weights were packed; call after the
         weights are loaded and the KV cache is bound."""
-        linears = [m for m in self.modules() if isinstance(m, Linear)]
+        linears = [m for m in self.modules() if isinstance(m, Linear) and m.quantized is None]
         weights = [m.weight for m in linears] + [self.lm_head_weight]
         shapes = [skinny_gemm.PackedWeight.packed_shape(w) for w in weights]
         # One buffer for all of them, in huge pages: a small decode step streams every packed weight once.
@@ -195,6 +196,7 @@ class LlamaForCausalLM(nn.Module):
         """Copy checkpoint tensors (HF names) into the parameters; every parameter must be filled."""
         params = dict(self.named_parameters())
         filled: dict[str, int] = {}
+        quantized = QuantizedParts()
         for name, tensor in weights:
             if "rotary_emb" in name or (name == "lm_head.weight" and self.tie_word_embeddings):
                 continue
@@ -207,15 +209,19 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in {type(self).__name__}")
             param = params[target]
             dest = param if shard is None else self._shard(target, param, shard)
-            if dest.shape != tensor.shape:
+            if tuple(dest.shape) != tuple(tensor.shape):
                 raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
                                  f"expected {tuple(dest.shape)}")
-            dest.copy_(tensor)
+            if isinstance(tensor, GGUFQuantizedTensor):
+                quantized.add(target, shard or 0, tensor, dest)
+            else:
+                dest.copy_(tensor)
             filled[target] = filled.get(target, 0) + 1
         missing = [n for n, p in params.items() if filled.get(n, 0) < self._num_shards(n)]
         if missing:
             raise ValueError(f"checkpoint lacks weights for: {', '.join(missing[:8])}"
                              + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
+        quantized.attach(self, {target: self._num_shards(target) for target in quantized.targets})
 
     def _shard(self, name: str, param: torch.Tensor, index: int) -> torch.Tensor:
         attn = self.model.layers[0].self_attn

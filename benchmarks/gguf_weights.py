@@ -1,0 +1,104 @@
+"""Weights kept quantized (--quantization gguf) against float weights, on the default model: resident weight
+memory, load time, W1 offline output tok/s and concurrency-16 TPOT, side by side in one run.
+
+Cases: the float weights (the default model's file dequantized to --dtype, as without --quantization), the
+default model's own file (Q4_1) kept quantized, and the same weights requantized to Q8_0 and Q4_0 (written here
+with pagedserve's GGUF writer from the float weights; their token embeddings stay float in memory, as the
+loader keeps only the decoder layers' linear weights quantized). Prompts are random token ids, so the
+requantized files need no tokenizer of their own. The cases run interleaved --repeats times; medians.
+
+    python benchmarks/gguf_weights.py [--repeats 2] [--dtype auto] [--w1-requests 256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from pagedserve.benchmarks.cpu_kind import cpu_kind
+from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.kernels import quant_gemm
+from pagedserve.loader.gguf_writer import write_gguf
+from pagedserve.loader.model_loader import default_model_path, open_checkpoint
+
+sys.path.insert(0, str(Path(__file__).parent))
+from lora_throughput import run_case, warm_up  # noqa: E402
+
+
+def requantized(quant: str, folder: str) -> str:
+    """The default model's weights (dequantized in float32) written as a GGUF file of type `quant`."""
+    from transformers import LlamaForCausalLM
+
+    checkpoint = open_checkpoint(None)
+    model = LlamaForCausalLM(checkpoint.config)
+    model.load_state_dict(dict(checkpoint.iter_weights(torch.float32)), strict=False)
+    model.tie_weights()
+    path = os.path.join(folder, f"smollm2-{quant}.gguf")
+    write_gguf(model, path, quant=quant, tokenizer=False)
+    return path
+
+
+def weight_bytes(engine: LLMEngine) -> int:
+    """Parameters, kept-quantized weights and the bf16 copies packed for small batches (LM head included)."""
+    model = engine.runner.model
+    dense = sum(p.numel() * p.element_size() for p in model.parameters())
+    kept = sum(m.quantized.nbytes for m in model.modules() if getattr(m, "quantized", None) is not None)
+    packed = [m.packed for m in model.modules() if getattr(m, "packed", None) is not None] + [model._packed_lm_head]
+    return dense + kept + sum(p.data.numel() * p.data.element_size() for p in packed if p is not None)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--w1-requests", type=int, default=256)
+    args = parser.parse_args()
+    folder = tempfile.mkdtemp()
+    cases = [("float weights", default_model_path(), None), ("Q4_1 (the file), kept", default_model_path(), "gguf"),
+             ("Q8_0, kept", requantized("Q8_0", folder), "gguf"), ("Q4_0, kept", requantized("Q4_0", folder), "gguf")]
+    engines, info = {}, {}
+    for name, path, quantization in cases:
+        common = dict(model=path, dtype=args.dtype, quantization=quantization, max_model_len=256 + 16,
+                      skip_tokenizer_init=True, kv_cache_memory_bytes=2 << 30)
+        start = time.perf_counter()
+        w1 = LLMEngine.from_kwargs(**common, max_num_seqs=256)
+        load = time.perf_counter() - start
+        engines[name] = (w1, LLMEngine.from_kwargs(**common, max_num_seqs=16))
+        info[name] = (os.path.getsize(path), weight_bytes(w1), load)
+        for engine in engines[name]:
+            warm_up(engine, [])
+    shape = dict(input_len=128, output_len=128)
+    runs = {name: {"w1": [], "c16": []} for name, *_ in cases}
+    for repeat in range(args.repeats):
+        for i, (name, *_) in enumerate(cases):
+            w1, c16 = engines[name]
+            runs[name]["w1"].append(run_case(w1, argparse.Namespace(**shape, num_requests=args.w1_requests), [],
+                                             100 * repeat + i))
+            runs[name]["c16"].append(run_case(c16, argparse.Namespace(**shape, num_requests=64), [],
+                                              100 * repeat + 50 + i))
+    print(f"# {cpu_kind()}; activations {engines[cases[0][0]][0].runner.dtype}; quantized matmul: "
+          f"{'AVX512-VNNI int8' if quant_gemm.uses_vnni() else 'float32 tiles'}; {args.repeats} interleaved runs, medians\n")
+    print("| weights | file MiB | resident weights MiB | load s | W1 out tok/s | vs float | concurrency 16: "
+          "mean TPOT (ms) | per token vs float |")
+    print("|---|---|---|---|---|---|---|---|")
+    base = None
+    for name, *_ in cases:
+        w1 = statistics.median(r["output_tok_s"] for r in runs[name]["w1"])
+        tpot = statistics.median(r["tpot_ms"] for r in runs[name]["c16"])
+        base = base or (w1, tpot)
+        file_bytes, resident, load = info[name]
+        print(f"| {name} | {file_bytes / 2**20:.1f} | {resident / 2**20:.1f} | {load:.1f} | {w1:.1f} | "
+              f"{w1 / base[0]:.3f}x | {tpot:.1f} | {base[1] / tpot:.2f}x faster |")
+    print("\nW1 runs:", {name: [round(r["output_tok_s"], 1) for r in runs[name]["w1"]] for name, *_ in cases})
+    print("c16 TPOT runs:", {name: [round(r["tpot_ms"], 1) for r in runs[name]["c16"]] for name, *_ in cases})
+
+
+if __name__ == "__main__":
+    main()

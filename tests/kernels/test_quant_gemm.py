@@ -1,0 +1,66 @@
+"""The quantized matmul (kernels/quant_gemm.py) against references, at every ISA level this CPU can run:
+where it dequantizes tiles (every level but avx512_bf16), it equals float32 matmul with the dequantized
+weights up to summation order; with VNNI it equals the same arithmetic on int8-quantized activations
+(emulated in float64 here), and stays within the activation rounding of the float result."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedserve.kernels import quant_gemm
+from pagedserve.quantization.gguf_weights import GGUFQuantizedTensor
+
+
+def random_weight(n: int, k: int, kind: int, seed: int = 0) -> GGUFQuantizedTensor:
+    g = torch.Generator().manual_seed(seed)
+    groups = k // 32
+    if kind == 8:
+        codes = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8).view(torch.uint8)
+    else:
+        codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+    scales = (torch.rand(n, groups, generator=g) * 0.02 + 0.001).half().float()
+    offsets = torch.zeros(n, groups) if kind == 8 else -(torch.rand(n, groups, generator=g) * 0.1).half().float()
+    return GGUFQuantizedTensor("w", None, codes, scales, offsets, kind)
+
+
+def emulate_vnni(x: torch.Tensor, weight: GGUFQuantizedTensor) -> torch.Tensor:
+    """The VNNI path's arithmetic: x quantized per row and group of 32 in float32 as the kernel does it
+    (s = amax / 127, xq = round-half-even(x / s)), then the products summed in float64."""
+    m, k = x.shape
+    xg = x.float().view(m, k // 32, 32)
+    s = xg.abs().amax(-1, keepdim=True) / 127
+    xq = torch.where(s > 0, torch.round(xg / torch.where(s > 0, s, 1)), 0)
+    w = weight.dequantize().double().view(-1, k // 32, 32)
+    return torch.einsum("mgi,ngi->mn", xq.double() * s.double(), w)
+
+
+@pytest.mark.parametrize("kind", [8, 4])
+@pytest.mark.parametrize("rows", [1, 5, 16, 33])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_kernel_matches_its_reference(kind, rows, dtype, isa):
+    n, k = 48, 96
+    weight = random_weight(n, k, kind)
+    packed = quant_gemm.QuantizedWeight.pack(weight.codes, weight.scales, weight.offsets, kind, "test")
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(1)).to(dtype)
+    bias = torch.randn(n).to(dtype)
+    out = quant_gemm.linear(x, packed, bias).double()
+    exact = x.double() @ weight.dequantize().double().T + bias.double()
+    reference = (emulate_vnni(x, weight) + bias.double()) if quant_gemm.uses_vnni() else exact
+    rounding = 2 ** -7 if dtype == torch.bfloat16 else 1e-5  # the output's own rounding (relative)
+    assert ((out - reference).abs() <= rounding * reference.abs() + 1e-4).all()
+    # activation quantization (VNNI) costs at most about half a step of 1/127 of each group's largest value
+    assert ((out - exact).abs() <= 0.02 * exact.abs().max()).all()
+
+
+def test_a_row_gives_the_same_result_alone_and_in_a_batch(isa):
+    weight = random_weight(32, 64, 4, seed=3)
+    packed = quant_gemm.QuantizedWeight.pack(weight.codes, weight.scales, weight.offsets, 4, "test")
+    x = torch.randn(20, 64, generator=torch.Generator().manual_seed(4))
+    assert torch.equal(quant_gemm.linear(x, packed)[7], quant_gemm.linear(x[7:8], packed)[0])
+
+
+def test_shapes_the_kernel_cannot_take_are_refused():
+    weight = random_weight(16, 64, 8)
+    with pytest.raises(ValueError, match="needs N % 16 == 0, K % 32 == 0"):
+        quant_gemm.QuantizedWeight.pack(weight.codes[:8], weight.scales[:8], None, 8, "test")
