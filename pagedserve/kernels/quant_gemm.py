@@ -81,8 +81,9 @@ class QuantizedWeight:
 
 def linear(x: torch.Tensor, weight: QuantizedWeight, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x [M, K] float32 or bf16 -> [M, N] of the same dtype (float32 sums, bias added before rounding)."""
-    if x.dtype not in _DTYPES:
-        raise ValueError(f"quantized linear takes float32 or bfloat16 activations, got {x.dtype}")
+    if x.dtype not in _DTYPES or x.device.type != "cpu" or x.shape[-1] != weight.in_features:
+        raise ValueError(f"quantized linear takes CPU float32 or bfloat16 activations of {weight.in_features} "
+                         f"features, got {x.dtype} {tuple(x.shape)} on {x.device.type}")
     x = x.contiguous()
     m = x.shape[0]
     y = torch.empty(m, weight.out_features, dtype=x.dtype)

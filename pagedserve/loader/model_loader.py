@@ -100,7 +100,7 @@ def load_model(config: ModelConfig) -> LoadedModel:
         model = model_cls(hf_config, max_positions=max_model_len)
     model = model.to(dtype).to_empty(device=device)
     model.rotary.to(device)
-    model.load_weights(checkpoint.iter_weights(dtype, **_weight_options(config, checkpoint)))
+    model.load_weights(checkpoint.iter_weights(dtype, **_weight_options(config, checkpoint, device, dtype)))
     model.eval()
     _log_quantized(model)
     tokenizer = load_tokenizer(config, checkpoint)
@@ -111,11 +111,18 @@ def load_model(config: ModelConfig) -> LoadedModel:
     return LoadedModel(model, hf_config, tokenizer, eos, dtype, device, max_model_len, seconds)
 
 
-def _weight_options(config: ModelConfig, checkpoint) -> dict:
+def _weight_options(config: ModelConfig, checkpoint, device: torch.device, dtype: torch.dtype) -> dict:
+    """What iter_weights needs for config.quantization; a ValueError, before any weight loads, where it
+    cannot run."""
     if config.quantization is None:
         return {}
     if not hasattr(checkpoint, "architecture"):  # not a GGUFCheckpoint
         raise ValueError(f"quantization={config.quantization!r} needs a GGUF file; {config.model!r} is a folder")
+    if device.type != "cpu":
+        raise ValueError(f"quantization={config.quantization!r} runs on CPU only (its kernel is C); the device is "
+                         f"{device.type}: use --device cpu, or no --quantization to dequantize the weights")
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"quantization={config.quantization!r} takes float32 or bfloat16 activations, not {dtype}")
     return {"keep_quantized": True}
 
 

@@ -2,8 +2,9 @@
 
 Q8_0 becomes kind 8 (w = d * q); Q4_0, Q4_1 and Q4_K become kind 4 (w = d * q + m, q in 0..15, per group of
 32 along the input dimension: Q4_0's m is -8d, Q4_K's 32-value sub-blocks carry d * scale and -dmin * min).
-The values are exactly those loader/gguf_quants.py dequantizes to (same float32 operations), so the kernel
-computes with the weights the float path would have loaded. Other types (Q6_K, ...) are dequantized on load.
+The values are exactly those loader/gguf_quants.py dequantizes to (every product of a code and a scale is
+exact in float32, so d * q + (-8d) is (q - 8) * d), so the kernel computes with the weights the float path
+would have loaded. Other types (Q6_K, ...) are dequantized on load.
 """
 
 from __future__ import annotations
@@ -111,9 +112,13 @@ class QuantizedParts:
 
         for target, parts in self._parts.items():
             tensors = [parts[i][0] for i in sorted(parts)]
-            if len(parts) < num_shards[target] or len({t.kind for t in tensors}) > 1:
-                logger.info("%s: shards of mixed types (%s); dequantized", target,
-                            ", ".join(t.qtype.name for t in tensors))
+            rows, columns = sum(t.shape[0] for t in tensors), tensors[0].shape[1]
+            if (len(parts) < num_shards[target] or len({t.kind for t in tensors}) > 1 or rows % 16
+                    or columns % 32):
+                logger.info("%s: %s; dequantized", target,
+                            f"shards of mixed types ({', '.join(t.qtype.name for t in tensors)})"
+                            if len(parts) < num_shards[target] or len({t.kind for t in tensors}) > 1
+                            else f"shape [{rows}, {columns}] is not a multiple of [16, 32]")
                 for tensor, dest in parts.values():
                     dest.copy_(tensor.dequantize())
                 continue

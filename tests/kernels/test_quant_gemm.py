@@ -64,3 +64,33 @@ def test_shapes_the_kernel_cannot_take_are_refused():
     weight = random_weight(16, 64, 8)
     with pytest.raises(ValueError, match="needs N % 16 == 0, K % 32 == 0"):
         quant_gemm.QuantizedWeight.pack(weight.codes[:8], weight.scales[:8], None, 8, "test")
+
+
+@pytest.mark.parametrize("kind", [8, 4])
+def test_many_column_blocks_and_a_long_k_match_the_dequantized_matmul(kind, isa):
+    weight = random_weight(256, 1536, kind, seed=7)
+    packed = quant_gemm.QuantizedWeight.pack(weight.codes, weight.scales, weight.offsets, kind, "test")
+    x = torch.randn(9, 1536, generator=torch.Generator().manual_seed(8))
+    out = quant_gemm.linear(x, packed).double()
+    reference = emulate_vnni(x, weight) if quant_gemm.uses_vnni() else x.double() @ weight.dequantize().double().T
+    assert ((out - reference).abs() <= 1e-5 * reference.abs() + 1e-4).all()
+
+
+@pytest.mark.parametrize("kind", [8, 4])
+def test_a_nan_in_a_row_makes_that_rows_outputs_nan_and_no_other(kind, isa):
+    weight = random_weight(32, 64, kind, seed=9)
+    packed = quant_gemm.QuantizedWeight.pack(weight.codes, weight.scales, weight.offsets, kind, "test")
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(10))
+    x[1, 40] = float("nan")
+    x[2] = 0  # an all-zero row: scale 0, outputs exactly 0
+    out = quant_gemm.linear(x, packed)
+    assert out[1].isnan().all() and not out[0].isnan().any() and torch.equal(out[2], torch.zeros(32))
+
+
+def test_activations_the_kernel_cannot_take_are_a_clear_error():
+    weight = random_weight(16, 64, 8)
+    packed = quant_gemm.QuantizedWeight.pack(weight.codes, weight.scales, weight.offsets, 8, "test")
+    with pytest.raises(ValueError, match="CPU float32 or bfloat16 activations of 64 features"):
+        quant_gemm.linear(torch.randn(2, 64).half(), packed)
+    with pytest.raises(ValueError, match="of 64 features, got torch.float32 \\(2, 32\\)"):
+        quant_gemm.linear(torch.randn(2, 32), packed)

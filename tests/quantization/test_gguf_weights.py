@@ -148,3 +148,8 @@ def test_c_decode_loop_on_kept_weights_gives_the_python_layers_results_bit_for_b
     for a, b in zip(fast, slow):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert a.outputs[0].cumulative_logprob == b.outputs[0].cumulative_logprob
+
+
+def test_float16_activations_are_refused_before_loading(gguf_files):
+    with pytest.raises(ValueError, match="takes float32 or bfloat16 activations, not torch.float16"):
+        LLM(gguf_files["Q8_0"], quantization="gguf", dtype="float16", kv_cache_memory_bytes=1 << 22)

@@ -52,6 +52,7 @@ int pack_weight(const uint8_t *codes, const float *d, const float *m, uint8_t *p
                 int kind) {
     if (n % COLS || k % GROUP || (kind != 8 && kind != 4)) return 1;
     const int64_t groups = k / GROUP;
+    memset(packed, 0, (size_t)packed_bytes(n, k, kind)); /* kind 4 ORs the high nibbles in */
 #pragma omp parallel for schedule(static)
     for (int64_t nb = 0; nb < n / COLS; ++nb)
         for (int64_t g = 0; g < groups; ++g) {
@@ -95,18 +96,29 @@ static inline void store_output(void *y, int64_t at, float v, int bf16) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #include <immintrin.h>
 
-/* x rows -> int8 codes [m][k], scales [m][k / 32] and code sums [m][k / 32] (per row and group). */
-static void quantize_rows(const void *x, int64_t m, int64_t k, int bf16, int8_t *xq, float *xs, int32_t *xsum) {
+/* x rows -> int8 codes [m][k], scales [m][k / 32] and code sums [m][k / 32] (per row and group). A group
+ * holding a NaN or an infinity gets a NaN scale (its codes 0), so that the outputs it feeds are NaN, as
+ * the float path's would be. */
+static void quantize_rows(const void *x, int64_t m, int64_t k, int bf16, int8_t *xq, float *xs, int32_t *xsum,
+                          int threads) {
     const int64_t groups = k / GROUP;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for num_threads(m * k >= 16384 ? threads : 1) schedule(static)
     for (int64_t r = 0; r < m; ++r) {
         float row[GROUP];
         for (int64_t g = 0; g < groups; ++g) {
             float amax = 0.f;
+            int finite = 1;
             for (int64_t i = 0; i < GROUP; ++i) {
                 const int64_t at = r * k + g * GROUP + i;
                 row[i] = bf16 ? bf16_to_f32(((const uint16_t *)x)[at]) : ((const float *)x)[at];
+                finite &= isfinite(row[i]);
                 amax = fabsf(row[i]) > amax ? fabsf(row[i]) : amax;
+            }
+            if (!finite) {
+                memset(xq + r * k + g * GROUP, 0, GROUP);
+                xs[r * groups + g] = NAN;
+                xsum[r * groups + g] = 0;
+                continue;
             }
             const float s = amax / 127.f;
             int32_t sum = 0;
@@ -146,7 +158,8 @@ static inline __attribute__((always_inline)) void block_vnni(const int8_t *xq, c
         const __m512 av = _mm512_loadu_ps((const float *)(rec + code_bytes(kind)) + COLS);
         for (int64_t r = 0; r < rows; ++r) {
             const int64_t row = r0 + r;
-            const int32_t *quads = (const int32_t *)(xq + row * k + g * GROUP);
+            int32_t quads[8];
+            memcpy(quads, xq + row * k + g * GROUP, sizeof quads);
             __m512i acc = _mm512_setzero_si512();
             for (int j = 0; j < 8; ++j) {
                 const __m512i xb = _mm512_set1_epi32(quads[j]);
@@ -182,7 +195,7 @@ int quant_gemm(const void *x, const uint8_t *packed, const void *bias, void *y, 
         free(xq), free(xs), free(xsum);
         return 2;
     }
-    quantize_rows(x, m, k, bf16, xq, xs, xsum);
+    quantize_rows(x, m, k, bf16, xq, xs, xsum, threads);
 #pragma omp parallel for num_threads(threads) schedule(static) collapse(2)
     for (int64_t nb = 0; nb < n / COLS; ++nb)
         for (int64_t r0 = 0; r0 < m; r0 += ROWS_PER_PASS) {
