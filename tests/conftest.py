@@ -89,6 +89,22 @@ def isa(request, monkeypatch):
     build.reset()  # the next load reads the environment that monkeypatch restores
 
 
+def assert_c_decode_loop_matches_python_layers(llm, prompts, params) -> None:
+    """The one-call C decode loop (kernels/decode_layers.py) gives exactly the Python layers' tokens and
+    cumulative logprobs for these prompts (the prefix cache is reset between the two runs)."""
+    model = llm.engine.runner.model
+    fast = llm.generate(prompts, params, use_tqdm=False)
+    saved, model._decode_layers = model._decode_layers, None
+    try:
+        llm.reset_prefix_cache()
+        slow = llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        model._decode_layers = saved
+    for a, b in zip(fast, slow):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].cumulative_logprob == b.outputs[0].cumulative_logprob
+
+
 def assert_no_leaked_blocks(engine) -> None:
     """Every KV block is back in the pool and nothing is left queued (an LLMEngine, or an AsyncLLM whose core
     runs in its own process: then the core is asked for a fresh snapshot, when it is still running)."""

@@ -45,10 +45,12 @@ def _dequantize_q4_1(blocks: torch.Tensor) -> torch.Tensor:
     return _nibbles(blocks[:, 4:]).float().mul_(_half(blocks, 0)).add_(_half(blocks, 2))
 
 
-def _dequantize_q4_k(blocks: torch.Tensor) -> torch.Tensor:
-    # Super-block of 256 = 8 sub-blocks of 32. d, dmin: f16; scales: 12 bytes holding 8 six-bit
-    # scales and 8 six-bit mins; qs: 128 bytes, each 32-byte group holds two sub-blocks (low
-    # nibbles first). x = d * scale * q - dmin * min.
+def q4_k_groups(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_K super-blocks of 256 = 8 sub-blocks of 32 -> (codes [n, 8, 32] uint8 0..15, d * scale [n, 8],
+    dmin * min [n, 8]); a value is d * scale * q - dmin * min.
+
+    d, dmin: f16; scales: 12 bytes holding 8 six-bit scales and 8 six-bit mins; qs: 128 bytes, each 32-byte
+    group holds two sub-blocks (low nibbles first)."""
     n = blocks.shape[0]
     d, dmin = _half(blocks, 0), _half(blocks, 2)
     s = blocks[:, 4:16]
@@ -57,9 +59,14 @@ def _dequantize_q4_k(blocks: torch.Tensor) -> torch.Tensor:
     # 4 bits from bytes 8-11 and their top 2 bits from the unused top bits of bytes 0-7.
     scales = torch.cat([lo & 63, (hi & 0x0F) | ((lo >> 6) << 4)], dim=1).float()
     mins = torch.cat([mid & 63, (hi >> 4) | ((mid >> 6) << 4)], dim=1).float()
-    q = _nibbles(blocks[:, 16:].reshape(n, 4, 32)).reshape(n, 8, 32).float()
-    out = (d * scales).unsqueeze(-1) * q - (dmin * mins).unsqueeze(-1)
-    return out.reshape(n, 256)
+    codes = _nibbles(blocks[:, 16:].reshape(n, 4, 32)).reshape(n, 8, 32)
+    return codes, d * scales, dmin * mins
+
+
+def _dequantize_q4_k(blocks: torch.Tensor) -> torch.Tensor:
+    codes, scales, mins = q4_k_groups(blocks)
+    out = scales.unsqueeze(-1) * codes.float() - mins.unsqueeze(-1)
+    return out.reshape(blocks.shape[0], 256)
 
 
 def _dequantize_q6_k(blocks: torch.Tensor) -> torch.Tensor:

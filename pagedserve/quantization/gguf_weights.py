@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType as QType
 
-from pagedserve.loader.gguf_quants import _half, _nibbles
+from pagedserve.loader.gguf_quants import _half, _nibbles, q4_k_groups
 
 logger = logging.getLogger(__name__)
 
@@ -80,15 +80,9 @@ def from_gguf(name: str, raw: np.ndarray, qtype: QType, shape: tuple[int, int]) 
 
 
 def _q4_k_groups(blocks: torch.Tensor):
-    """Q4_K super-blocks of 256 as 8 groups of 32 each (gguf_quants._dequantize_q4_k's arithmetic)."""
-    n = blocks.shape[0]
-    d, dmin = _half(blocks, 0), _half(blocks, 2)
-    s = blocks[:, 4:16]
-    lo, mid, hi = s[:, 0:4], s[:, 4:8], s[:, 8:12]
-    scales = torch.cat([lo & 63, (hi & 0x0F) | ((lo >> 6) << 4)], dim=1).float()
-    mins = torch.cat([mid & 63, (hi >> 4) | ((mid >> 6) << 4)], dim=1).float()
-    codes = _nibbles(blocks[:, 16:].reshape(n, 4, 32)).reshape(n, 256)
-    return codes, d * scales, -(dmin * mins), 4
+    """Q4_K super-blocks of 256 as 8 groups of 32 each (the float loader's own split, gguf_quants.q4_k_groups)."""
+    codes, scales, mins = q4_k_groups(blocks)
+    return codes.reshape(blocks.shape[0], 256), scales, -mins, 4
 
 
 class QuantizedParts:

@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from conftest import assert_no_leaked_blocks
+from conftest import assert_c_decode_loop_matches_python_layers, assert_no_leaked_blocks
 from pagedserve import LLM, SamplingParams
 from pagedserve.kernels import quant_gemm
 from pagedserve.loader.gguf import GGUFCheckpoint
@@ -138,16 +138,7 @@ def test_c_decode_loop_on_kept_weights_gives_the_python_layers_results_bit_for_b
     if model._decode_layers is None:
         pytest.skip(f"no C decode loop at {isa} (it needs the bf16 small-batch matmul for the LM head)")
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
-    fast = llm.generate(prompts(), params, use_tqdm=False)
-    saved, model._decode_layers = model._decode_layers, None
-    try:
-        llm.reset_prefix_cache()
-        slow = llm.generate(prompts(), params, use_tqdm=False)
-    finally:
-        model._decode_layers = saved
-    for a, b in zip(fast, slow):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        assert a.outputs[0].cumulative_logprob == b.outputs[0].cumulative_logprob
+    assert_c_decode_loop_matches_python_layers(llm, prompts(), params)
 
 
 def test_float16_activations_are_refused_before_loading(gguf_files):

@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from conftest import assert_no_leaked_blocks, build_tokenizer
+from conftest import assert_c_decode_loop_matches_python_layers, assert_no_leaked_blocks, build_tokenizer
 from pagedserve import LLM, SamplingParams
 from pagedserve.attention import torch_paged
 
@@ -133,17 +133,7 @@ def test_c_decode_loop_gives_the_python_layers_results_bit_for_bit(head_dim_64_d
     model = llm.engine.runner.model
     if model._decode_layers is None:
         pytest.skip(f"no C path for every kernel at {isa} (bf16 small-batch matmul, fused ops, decode attention)")
-    batch = prompts(5, seed=13, lo=5, hi=50)
-    fast = llm.generate(batch, GREEDY, use_tqdm=False)
-    saved, model._decode_layers = model._decode_layers, None
-    try:
-        llm.reset_prefix_cache()
-        slow = llm.generate(batch, GREEDY, use_tqdm=False)
-    finally:
-        model._decode_layers = saved
-    for a, b in zip(fast, slow):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        assert a.outputs[0].cumulative_logprob == b.outputs[0].cumulative_logprob
+    assert_c_decode_loop_matches_python_layers(llm, prompts(5, seed=13, lo=5, hi=50), GREEDY)
 
 
 def test_sampling_options_work_over_an_8bit_cache(tiny_llama_dir):
