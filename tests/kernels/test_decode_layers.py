@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import assert_c_decode_loop_matches_python_layers
 from pagedserve import LLM, SamplingParams
 from pagedserve.kernels import decode_layers
 
@@ -19,18 +20,9 @@ def bf16_llm(tiny_llama_dir, isa):
 
 
 def test_c_layers_give_the_python_layers_tokens_and_logprobs_bit_for_bit(bf16_llm):
-    model = bf16_llm.engine.runner.model
     prompts = ["The quick brown fox", "Paged attention", "Hello", "12345 678", "Bonjour"]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=3)
-    fast = bf16_llm.generate(prompts, params, use_tqdm=False)
-    saved, model._decode_layers = model._decode_layers, None
-    try:
-        slow = bf16_llm.generate(prompts, params, use_tqdm=False)
-    finally:
-        model._decode_layers = saved
-    for a, b in zip(fast, slow):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        assert a.outputs[0].cumulative_logprob == b.outputs[0].cumulative_logprob
+    assert_c_decode_loop_matches_python_layers(bf16_llm, prompts, params)
 
 
 def test_c_layers_run_only_for_small_decode_only_steps(bf16_llm, monkeypatch):
