@@ -14,7 +14,7 @@ from typing import Optional
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 SCHEDULING_POLICIES = ("fcfs", "priority", "fair")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
-QUANTIZATION_METHODS = (None, "gguf")
+QUANTIZATION_METHODS = (None, "gguf", "awq", "gptq")
 
 
 @dataclass(frozen=True)
@@ -36,8 +36,10 @@ class ModelConfig:
     device: str = "auto"
     """Device to run on: auto (cuda when available, else cpu), cpu or cuda."""
     quantization: Optional[str] = None
-    """Weights: None (dequantized on load to dtype) or gguf (a GGUF file's Q8_0, Q4_0, Q4_1 and Q4_K linear
-    weights stay quantized in memory and the matmuls compute from them; other types are dequantized)."""
+    """Weights kept quantized, computed from by the quantized matmul: gguf (a GGUF file's Q8_0, Q4_0, Q4_1 and
+    Q4_K linear weights; other types are dequantized), awq or gptq (4-bit Hugging Face checkpoints, also
+    chosen by default when config.json has their quantization_config). Not set: GGUF files are dequantized
+    on load to dtype."""
 
     def __post_init__(self) -> None:
         if self.quantization not in QUANTIZATION_METHODS:

@@ -10,7 +10,7 @@ from pagedserve.config import DTYPE_CHOICES, ENGINE_CONFIGS, KV_CACHE_DTYPES, SC
 
 _CONFIGS = ENGINE_CONFIGS
 _CHOICES = {"dtype": DTYPE_CHOICES, "scheduling_policy": SCHEDULING_POLICIES, "kv_cache_dtype": KV_CACHE_DTYPES,
-            "quantization": ("gguf",)}
+            "quantization": ("gguf", "awq", "gptq")}
 _SKIP = {("SchedulerConfig", "max_model_len")}  # set through ModelConfig's flag
 
 

@@ -106,6 +106,7 @@ class DecodeLayers:
                 or not fused_ops.fuses_rotary(probe)
                 or not cpu_decode.supports(probe.view(1, attn.num_heads, attn.head_dim), attn.key_cache)
                 or any(lin.packed is None and lin.quantized is None for layer in layers for lin in _linears(layer))
+                or any(lin.input_order is not None for layer in layers for lin in _linears(layer))
                 or (any(lin.quantized is not None for layer in layers for lin in _linears(layer))
                     and not quant_gemm.available())):
             return None

@@ -29,8 +29,10 @@ class Linear(nn.Linear):
     packed: Optional[skinny_gemm.PackedWeight] = None
     lora: Optional["LinearLoRA"] = None
     quantized: Optional["QuantizedWeight"] = None
-    """Set by the loader under --quantization gguf: the weight stays block-quantized and every batch size
-    computes from it (kernels/quant_gemm.py); `weight` is then empty."""
+    """Set by the loader for kept-quantized weights (--quantization gguf, AWQ and GPTQ checkpoints): every batch
+    size computes from them (kernels/quant_gemm.py); `weight` is then empty."""
+    input_order: Optional[torch.Tensor] = None
+    """With `quantized` from a GPTQ act-order checkpoint: the order of the input features in its columns."""
 
     def pack_for_small_batches(self, out: Optional[torch.Tensor] = None) -> bool:
         """Pack the weight (into `out`, sized by PackedWeight.packed_shape, when given)."""
@@ -41,7 +43,10 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quantized is not None:
-            out = quant_gemm.linear(x.reshape(-1, x.shape[-1]), self.quantized, self.bias).view(*x.shape[:-1], -1)
+            rows = x.reshape(-1, x.shape[-1])
+            if self.input_order is not None:
+                rows = rows.index_select(1, self.input_order)
+            out = quant_gemm.linear(rows, self.quantized, self.bias).view(*x.shape[:-1], -1)
         elif self.packed is not None and x.dim() == 2 and x.shape[0] <= skinny_gemm.MAX_ROWS:
             out = skinny_gemm.linear(x, self.packed, self.bias)
         else:

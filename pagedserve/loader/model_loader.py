@@ -114,16 +114,27 @@ def load_model(config: ModelConfig) -> LoadedModel:
 def _weight_options(config: ModelConfig, checkpoint, device: torch.device, dtype: torch.dtype) -> dict:
     """What iter_weights needs for config.quantization; a ValueError, before any weight loads, where it
     cannot run."""
-    if config.quantization is None:
+    checkpoint_method = _checkpoint_method(checkpoint)
+    method = config.quantization or checkpoint_method
+    if method is None:
         return {}
-    if not hasattr(checkpoint, "architecture"):  # not a GGUFCheckpoint
-        raise ValueError(f"quantization={config.quantization!r} needs a GGUF file; {config.model!r} is a folder")
+    if method == "gguf" and not hasattr(checkpoint, "architecture"):  # not a GGUFCheckpoint
+        raise ValueError(f"quantization={method!r} needs a GGUF file; {config.model!r} is a folder")
+    if method in ("awq", "gptq") and method != checkpoint_method:
+        raise ValueError(f"quantization={method!r} needs a checkpoint quantized with it; {config.model!r} has "
+                         f"{'quantization_config ' + repr(checkpoint_method) if checkpoint_method else 'none'}")
     if device.type != "cpu":
-        raise ValueError(f"quantization={config.quantization!r} runs on CPU only (its kernel is C); the device is "
+        raise ValueError(f"quantization={method!r} runs on CPU only (its kernel is C); the device is "
                          f"{device.type}: use --device cpu, or no --quantization to dequantize the weights")
     if dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError(f"quantization={config.quantization!r} takes float32 or bfloat16 activations, not {dtype}")
+        raise ValueError(f"quantization={method!r} takes float32 or bfloat16 activations, not {dtype}")
     return {"keep_quantized": True}
+
+
+def _checkpoint_method(checkpoint) -> Optional[str]:
+    """The method an HF checkpoint was quantized with (its quantization_config), lower case; None if none."""
+    config = getattr(checkpoint, "quantization_config", None)
+    return str(config.get("quant_method", "unknown")).lower() if config else None
 
 
 def _log_quantized(model: torch.nn.Module) -> None:

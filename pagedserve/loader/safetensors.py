@@ -5,9 +5,11 @@ from __future__ import annotations
 import glob
 import json
 import os
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
+
+from pagedserve.quantization.hf_quantized import TENSOR_SUFFIXES, QuantizationConfig, to_quantized_tensor
 
 
 class HFFolderCheckpoint:
@@ -27,13 +29,29 @@ class HFFolderCheckpoint:
 
         return AutoConfig.from_pretrained(self.path)
 
-    def iter_weights(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    @property
+    def quantization_config(self) -> Optional[dict]:
+        """config.json's quantization_config (AWQ / GPTQ checkpoints), or None."""
+        with open(os.path.join(self.path, "config.json")) as f:
+            return json.load(f).get("quantization_config")
+
+    def iter_weights(self, dtype: torch.dtype, keep_quantized: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, tensor) in the checkpoint's names, floats in `dtype`. keep_quantized (an AWQ / GPTQ
+        checkpoint): each quantized linear comes once, as `<prefix>.weight` -> a GGUFQuantizedTensor."""
         from safetensors import safe_open
 
+        config = QuantizationConfig.from_hf(self.quantization_config) if keep_quantized else None
+        pending: dict[str, dict[str, torch.Tensor]] = {}
         for file in self.files:
             with safe_open(file, framework="pt") as f:
                 for name in f.keys():
-                    yield name, f.get_tensor(name).to(dtype)
+                    prefix, _, suffix = name.rpartition(".")
+                    if config is None or suffix not in TENSOR_SUFFIXES:
+                        yield name, f.get_tensor(name).to(dtype)
+                        continue
+                    pending.setdefault(prefix, {})[suffix] = f.get_tensor(name)
+        for prefix, tensors in pending.items():
+            yield f"{prefix}.weight", to_quantized_tensor(prefix, tensors, config)
 
     def tokenizer(self):
         from transformers import AutoTokenizer

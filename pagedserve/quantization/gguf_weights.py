@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Optional
 
 import gguf
 import numpy as np
@@ -29,7 +30,8 @@ class GGUFQuantizedTensor:
     """A weight left quantized by the loader: [out_features, in_features] in groups of 32 along in_features."""
 
     name: str
-    qtype: QType
+    qtype: object
+    """The GGUF type (a GGMLQuantizationType), or the checkpoint's method for HF checkpoints ("AWQ", "GPTQ")."""
     codes: torch.Tensor
     """[N, K]: int8 (kind 8) or uint8 0..15 (kind 4)."""
     scales: torch.Tensor
@@ -37,15 +39,22 @@ class GGUFQuantizedTensor:
     offsets: torch.Tensor
     """[N, K / 32] float32 (zeros for kind 8)."""
     kind: int
+    input_order: Optional[torch.Tensor] = None
+    """GPTQ with act-order: the input features in the order the codes' columns are stored (their groups are
+    then contiguous); the layer gathers its input in this order first. None: the natural order."""
 
     @property
     def shape(self) -> tuple[int, int]:
         return tuple(self.codes.shape)
 
+    @property
+    def source(self) -> str:
+        return getattr(self.qtype, "name", str(self.qtype))
+
     def rows(self, index: torch.Tensor) -> "GGUFQuantizedTensor":
         """The same weight with its output rows reordered (llama's q/k un-permutation)."""
         return GGUFQuantizedTensor(self.name, self.qtype, self.codes[index], self.scales[index],
-                                   self.offsets[index], self.kind)
+                                   self.offsets[index], self.kind, self.input_order)
 
     def dequantize(self) -> torch.Tensor:
         """The float32 weight (the reference the kernel is tested against)."""
@@ -54,7 +63,10 @@ class GGUFQuantizedTensor:
         w = q * self.scales.unsqueeze(-1)
         if self.kind == 4:
             w = w + self.offsets.unsqueeze(-1)
-        return w.view(n, k)
+        w = w.view(n, k)
+        if self.input_order is not None:  # back to the natural input order
+            w = torch.empty_like(w).index_copy_(1, self.input_order, w)
+        return w
 
 
 def from_gguf(name: str, raw: np.ndarray, qtype: QType, shape: tuple[int, int]) -> GGUFQuantizedTensor:
@@ -106,13 +118,9 @@ class QuantizedParts:
 
         for target, parts in self._parts.items():
             tensors = [parts[i][0] for i in sorted(parts)]
-            rows, columns = sum(t.shape[0] for t in tensors), tensors[0].shape[1]
-            if (len(parts) < num_shards[target] or len({t.kind for t in tensors}) > 1 or rows % 16
-                    or columns % 32):
-                logger.info("%s: %s; dequantized", target,
-                            f"shards of mixed types ({', '.join(t.qtype.name for t in tensors)})"
-                            if len(parts) < num_shards[target] or len({t.kind for t in tensors}) > 1
-                            else f"shape [{rows}, {columns}] is not a multiple of [16, 32]")
+            reason = _why_not_packed(tensors, num_shards[target])
+            if reason:
+                logger.info("%s: %s; dequantized", target, reason)
                 for tensor, dest in parts.values():
                     dest.copy_(tensor.dequantize())
                 continue
@@ -120,5 +128,19 @@ class QuantizedParts:
             linear.quantized = QuantizedWeight.pack(
                 torch.cat([t.codes for t in tensors]), torch.cat([t.scales for t in tensors]),
                 torch.cat([t.offsets for t in tensors]), tensors[0].kind,
-                "+".join(sorted({t.qtype.name for t in tensors})))
+                "+".join(sorted({t.source for t in tensors})))
+            linear.input_order = tensors[0].input_order
             linear.weight = torch.nn.Parameter(torch.empty(0, dtype=linear.weight.dtype), requires_grad=False)
+
+
+def _why_not_packed(tensors: list[GGUFQuantizedTensor], num_shards: int) -> Optional[str]:
+    """Why the shards of one linear cannot become one QuantizedWeight (None: they can)."""
+    rows, columns = sum(t.shape[0] for t in tensors), tensors[0].shape[1]
+    if len(tensors) < num_shards or len({t.kind for t in tensors}) > 1:
+        return f"shards of mixed types ({', '.join(t.source for t in tensors)})"
+    if rows % 16 or columns % 32:
+        return f"shape [{rows}, {columns}] is not a multiple of [16, 32]"
+    orders = [t.input_order for t in tensors]
+    if any(o is not None for o in orders) and not all(o is not None and torch.equal(o, orders[0]) for o in orders):
+        return "its shards order their inputs differently (GPTQ act-order)"
+    return None

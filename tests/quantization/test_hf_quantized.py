@@ -1,0 +1,178 @@
+"""AWQ (GEMM) and GPTQ (4-bit, desc_act false and true) checkpoints, written here in their documented layouts
+from a tiny model's float weights, load from config.json's quantization_config onto the quantized matmul: the
+kept weights are exactly the checkpoint's dequantized values, the engine's outputs match an engine on those
+values, and the float weights they were made from within the 4-bit quantization error. Unsupported variants
+and malformed tensors are refused, by name."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from conftest import assert_no_leaked_blocks
+from pagedserve import LLM, SamplingParams
+from pagedserve.loader.safetensors import HFFolderCheckpoint
+from pagedserve.quantization.hf_quantized import AWQ_ORDER
+
+GROUP = 32
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def quantize_4bit(w: torch.Tensor, group_of: torch.Tensor):
+    """Asymmetric 4-bit per (output, group): w [out, in] -> codes [in, out], zeros [groups, out] int,
+    scales [groups, out] fp16, and the dequantized weight [out, in]."""
+    out, inputs = w.shape
+    groups = int(group_of.max()) + 1
+    codes = torch.zeros(inputs, out, dtype=torch.int32)
+    zeros = torch.zeros(groups, out, dtype=torch.int32)
+    scales = torch.zeros(groups, out, dtype=torch.float16)
+    for g in range(groups):
+        cols = (group_of == g).nonzero().flatten()
+        block = w[:, cols]
+        lo, hi = block.min(1).values.clamp(max=0), block.max(1).values.clamp(min=0)
+        s = ((hi - lo) / 15).clamp(min=1e-6).half()
+        z = torch.round(-lo / s.float()).clamp(0, 15).to(torch.int32)
+        q = torch.clamp(torch.round(block / s.float()[:, None]) + z[:, None], 0, 15).to(torch.int32)
+        codes[cols] = q.T
+        zeros[g], scales[g] = z, s
+    dequantized = ((codes.T - zeros[group_of].T).float() * scales[group_of].T.float())
+    return codes, zeros, scales, dequantized
+
+
+def pack_columns(values: torch.Tensor, order) -> torch.Tensor:
+    """[rows, out] nibbles -> [rows, out / 8] int32, nibble i = column 8c + order[i]."""
+    rows, out = values.shape
+    v = values.view(rows, out // 8, 8)[..., list(order)].to(torch.int64)
+    words = sum((v[..., i] & 15) << (4 * i) for i in range(8))
+    return (words - ((words >> 31) & 1) * (1 << 32)).to(torch.int32)
+
+
+def pack_rows(values: torch.Tensor) -> torch.Tensor:
+    """[in, out] nibbles -> [in / 8, out] int32, nibble j = input row 8r + j (GPTQ)."""
+    inputs, out = values.shape
+    v = values.view(inputs // 8, 8, out).to(torch.int64)
+    words = sum((v[:, j] & 15) << (4 * j) for j in range(8))
+    return (words - ((words >> 31) & 1) * (1 << 32)).to(torch.int32)
+
+
+def write_checkpoint(source: str, target, method: str, desc_act: bool = False, seed: int = 0) -> tuple[str, str]:
+    """The tiny model quantized as `method`, and beside it a float checkpoint of the dequantized weights."""
+    quantized_dir, dequantized_dir = target / f"{method}-{desc_act}", target / f"{method}-{desc_act}-float"
+    for d in (quantized_dir, dequantized_dir):
+        shutil.copytree(source, d)
+    tensors = load_file(f"{source}/model.safetensors")
+    quantized, dequantized = {}, {}
+    g = torch.Generator().manual_seed(seed)
+    for name, w in tensors.items():
+        prefix, _, _ = name.rpartition(".")
+        if not any(f".{linear}." in name for linear in LINEARS):
+            quantized[name] = dequantized[name] = w
+            continue
+        inputs = w.shape[1]
+        order = torch.randperm(inputs, generator=g) if desc_act else torch.arange(inputs)
+        group_of = torch.empty(inputs, dtype=torch.int64)
+        group_of[order] = torch.arange(inputs) // GROUP  # act-order: the k-th input processed is in group k // 32
+        codes, zeros, scales, w_hat = quantize_4bit(w.float(), group_of)
+        dequantized[name] = w_hat.contiguous()
+        if method == "awq":
+            quantized.update({f"{prefix}.qweight": pack_columns(codes, AWQ_ORDER),
+                              f"{prefix}.qzeros": pack_columns(zeros, AWQ_ORDER), f"{prefix}.scales": scales})
+        else:
+            quantized.update({f"{prefix}.qweight": pack_rows(codes), f"{prefix}.qzeros": pack_columns(zeros - 1, range(8)),
+                              f"{prefix}.scales": scales, f"{prefix}.g_idx": group_of.to(torch.int32)})
+    save_file(quantized, f"{quantized_dir}/model.safetensors")
+    save_file(dequantized, f"{dequantized_dir}/model.safetensors")
+    config = json.loads((quantized_dir / "config.json").read_text())
+    config["quantization_config"] = (
+        {"quant_method": "awq", "bits": 4, "group_size": GROUP, "zero_point": True, "version": "gemm"}
+        if method == "awq" else {"quant_method": "gptq", "bits": 4, "group_size": GROUP, "desc_act": desc_act,
+                                 "sym": False, "checkpoint_format": "gptq"})
+    (quantized_dir / "config.json").write_text(json.dumps(config))
+    return str(quantized_dir), str(dequantized_dir)
+
+
+CASES = [("awq", False), ("gptq", False), ("gptq", True)]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tiny_llama_dir, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("hf-quantized")
+    return {case: write_checkpoint(tiny_llama_dir, folder, *case) for case in CASES}
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-desc_act={c[1]}")
+def test_kept_weights_are_exactly_the_checkpoints_dequantized_values(checkpoints, case):
+    quantized_dir, dequantized_dir = checkpoints[case]
+    kept = dict(HFFolderCheckpoint(quantized_dir).iter_weights(torch.float32, keep_quantized=True))
+    reference = load_file(f"{dequantized_dir}/model.safetensors")
+    linear = [n for n in kept if any(f".{lin}." in n for lin in LINEARS)]
+    assert len(linear) == 2 * 7
+    for name in linear:
+        assert torch.equal(kept[name].dequantize(), reference[name]), name
+        assert (kept[name].input_order is not None) == case[1]
+
+
+def prompts():
+    rng = random.Random(0)
+    return [{"prompt_token_ids": [rng.randrange(3, 390) for _ in range(n)]} for n in (3, 17, 40, 64)]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-desc_act={c[1]}")
+def test_engine_matches_the_dequantized_and_the_original_float_weights(checkpoints, tiny_llama_dir, case, isa):
+    from pagedserve.kernels import quant_gemm
+
+    quantized_dir, dequantized_dir = checkpoints[case]
+    common = dict(dtype="float32", kv_cache_memory_bytes=1 << 22, skip_tokenizer_init=True)
+    params = SamplingParams(temperature=0, max_tokens=1, logprobs=5)
+    llm = LLM(quantized_dir, **common)  # the method comes from quantization_config
+    assert llm.engine.runner.model.model.layers[0].mlp.down_proj.quantized is not None
+    ours = llm.generate(prompts(), params, use_tqdm=False)
+    same_values = LLM(dequantized_dir, **common).generate(prompts(), params, use_tqdm=False)
+    original = LLM(tiny_llama_dir, **common).generate(prompts(), params, use_tqdm=False)
+    kernel_rounding = 0.05 if quant_gemm.uses_vnni() else 1e-3
+    for a, b, c in zip(ours, same_values, original):
+        token = b.outputs[0].token_ids[0]
+        assert abs(a.outputs[0].logprobs[0][token].logprob - b.outputs[0].logprobs[0][token].logprob) < kernel_rounding
+        # 4-bit weights move this random model's top logprob by a few tenths at most (a layout error: units)
+        top = c.outputs[0].token_ids[0]
+        if top in a.outputs[0].logprobs[0]:
+            assert abs(a.outputs[0].logprobs[0][top].logprob - c.outputs[0].logprobs[0][top].logprob) < 0.5
+    assert_no_leaked_blocks(llm.engine)
+
+
+def test_unsupported_variants_are_refused_with_the_reason(checkpoints, tmp_path):
+    quantized_dir, _ = checkpoints[("awq", False)]
+    for change, message in [({"bits": 8}, "awq with bits=8 is not supported"),
+                            ({"version": "gemv"}, "awq version='gemv'"),
+                            ({"group_size": 48}, "group_size=48 is not supported"),
+                            ({"quant_method": "bitsandbytes"}, "quant_method 'bitsandbytes' is not supported")]:
+        folder = tmp_path / f"bad-{len(message)}"
+        shutil.copytree(quantized_dir, folder)
+        config = json.loads((folder / "config.json").read_text())
+        config["quantization_config"].update(change)
+        (folder / "config.json").write_text(json.dumps(config))
+        with pytest.raises(ValueError, match=message):
+            LLM(str(folder), dtype="float32", kv_cache_memory_bytes=1 << 22, skip_tokenizer_init=True)
+
+
+def test_a_malformed_tensor_is_an_error_naming_it(checkpoints, tmp_path):
+    quantized_dir, _ = checkpoints[("gptq", False)]
+    folder = tmp_path / "malformed"
+    shutil.copytree(quantized_dir, folder)
+    tensors = load_file(f"{folder}/model.safetensors")
+    name = "model.layers.1.mlp.down_proj.scales"
+    tensors[name] = tensors[name][:1]  # one group of scales where there are four
+    save_file(tensors, f"{folder}/model.safetensors")
+    with pytest.raises(ValueError, match="model.layers.1.mlp.down_proj"):
+        LLM(str(folder), dtype="float32", kv_cache_memory_bytes=1 << 22, skip_tokenizer_init=True)
+
+
+def test_gguf_quantization_on_an_awq_folder_is_refused(checkpoints):
+    quantized_dir, _ = checkpoints[("awq", False)]
+    with pytest.raises(ValueError, match="quantization='gptq' needs a checkpoint quantized with it"):
+        LLM(quantized_dir, quantization="gptq", kv_cache_memory_bytes=1 << 22, skip_tokenizer_init=True)
