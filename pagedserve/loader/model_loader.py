@@ -123,9 +123,14 @@ def _weight_options(config: ModelConfig, checkpoint, device: torch.device, dtype
     if method in ("awq", "gptq") and method != checkpoint_method:
         raise ValueError(f"quantization={method!r} needs a checkpoint quantized with it; {config.model!r} has "
                          f"{'quantization_config ' + repr(checkpoint_method) if checkpoint_method else 'none'}")
+    if method != "gguf":  # awq, gptq, or whatever else the checkpoint's quantization_config names
+        from pagedserve.quantization.hf_quantized import QuantizationConfig
+
+        QuantizationConfig.from_hf(checkpoint.quantization_config)  # unsupported variants refused before loading
     if device.type != "cpu":
+        hint = "" if method in ("awq", "gptq") else ", or no --quantization to dequantize the weights"
         raise ValueError(f"quantization={method!r} runs on CPU only (its kernel is C); the device is "
-                         f"{device.type}: use --device cpu, or no --quantization to dequantize the weights")
+                         f"{device.type}: use --device cpu{hint}")
     if dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"quantization={method!r} takes float32 or bfloat16 activations, not {dtype}")
     return {"keep_quantized": True}

@@ -50,7 +50,8 @@ class HFFolderCheckpoint:
                         yield name, f.get_tensor(name).to(dtype)
                         continue
                     pending.setdefault(prefix, {})[suffix] = f.get_tensor(name)
-        for prefix, tensors in pending.items():
+        while pending:
+            prefix, tensors = pending.popitem()
             yield f"{prefix}.weight", to_quantized_tensor(prefix, tensors, config)
 
     def tokenizer(self):

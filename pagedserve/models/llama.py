@@ -206,6 +206,8 @@ class LlamaForCausalLM(nn.Module):
                     target, shard = name.replace(part, fused), index
                     break
             if target not in params:
+                if name.endswith(".bias") and not tensor.any():
+                    continue  # older GPTQ exporters save all-zero biases for layers that have none
                 raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in {type(self).__name__}")
             param = params[target]
             dest = param if shard is None else self._shard(target, param, shard)
@@ -213,7 +215,10 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
                                  f"expected {tuple(dest.shape)}")
             if isinstance(tensor, GGUFQuantizedTensor):
-                quantized.add(target, shard or 0, tensor, dest)
+                if isinstance(self.get_submodule(target.removesuffix(".weight")), Linear):
+                    quantized.add(target, shard or 0, tensor, dest)
+                else:  # a quantized LM head or embedding: computed in float here
+                    dest.copy_(tensor.dequantize())
             else:
                 dest.copy_(tensor)
             filled[target] = filled.get(target, 0) + 1

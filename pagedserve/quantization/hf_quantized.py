@@ -11,9 +11,9 @@ From config.json's `quantization_config`:
   `checkpoint_format: gptq`; `gptq_v2` holds z), `scales` [in / group, out], `g_idx` [in] (each input's group;
   with `desc_act: true` not in order: the inputs are then stored sorted by group and the layer gathers its
   input in that order); w = (q - z) * s.
-A group of 128 inputs is four groups of 32 with the same scale and offset. Anything else (other bit widths,
-AWQ's GEMV or Marlin layouts, groups that are not a multiple of 32, asymmetric formats other than these) is
-refused at load with the reason.
+A group of 128 inputs is four groups of 32 with the same scale and offset (group_size -1: one group per
+column). Anything else (other bit widths, AWQ's GEMV or Marlin layouts, groups that are not a multiple of 32,
+other quant_methods) is refused at load, before the weights are read, with the reason.
 """
 
 from __future__ import annotations
@@ -47,14 +47,16 @@ class QuantizationConfig:
             raise ValueError(f"quantization_config.quant_method {method!r} is not supported (supported: awq, gptq)")
         if bits != 4:
             raise ValueError(f"{method} with bits={bits} is not supported (only 4-bit)")
-        if not isinstance(group, int) or group <= 0 or group % 32:
-            raise ValueError(f"{method} group_size={group} is not supported (a positive multiple of 32)")
+        if not isinstance(group, int) or (group != -1 and (group <= 0 or group % 32)):
+            raise ValueError(f"{method} group_size={group} is not supported (a positive multiple of 32, or -1)")
         if method == "awq":
             version = str(config.get("version", "gemm")).lower()
             if version != "gemm" or not config.get("zero_point", True):
                 raise ValueError(f"awq version={version!r}, zero_point={config.get('zero_point')} is not supported "
                                  "(only the GEMM layout with zero points)")
             return QuantizationConfig("awq", group, False, False)
+        if config.get("is_marlin_format"):
+            raise ValueError("gptq in the Marlin format is not supported (the GPTQ layout: qweight/qzeros/scales)")
         fmt = str(config.get("checkpoint_format", "gptq")).lower()
         if fmt not in ("gptq", "gptq_v2"):
             raise ValueError(f"gptq checkpoint_format={fmt!r} is not supported (gptq, gptq_v2)")
@@ -94,33 +96,37 @@ def to_quantized_tensor(name: str, tensors: dict[str, torch.Tensor], config: Qua
         if config.zeros_minus_one:
             zeros = zeros + 1  # nibble wrap-around: a stored 15 with z - 1 convention means z = 16, kept in int
     in_features = codes.shape[0]
-    _check_shapes(name, config, codes, zeros, scales, in_features, groups, out)
-    group_of = _group_index(name, tensors.get("g_idx"), config, in_features)
+    group_size = in_features if config.group_size == -1 else config.group_size  # -1: one group per column
+    if group_size % 32:
+        raise ValueError(f"{name}: {in_features} inputs in one group are not a multiple of 32")
+    _check_shapes(name, codes, zeros, scales, in_features, groups, out, group_size)
+    if config.desc_act and "g_idx" not in tensors:
+        raise ValueError(f"gptq with desc_act needs {name}.g_idx")
+    group_of = _group_index(name, tensors.get("g_idx"), group_size, in_features)
     order = None
-    if not torch.equal(group_of, torch.arange(in_features) // config.group_size):
+    if not torch.equal(group_of, torch.arange(in_features) // group_size):
         order = torch.argsort(group_of, stable=True)  # inputs sorted by group: each group contiguous again
-        if not torch.equal(group_of[order], torch.arange(in_features) // config.group_size):
-            raise ValueError(f"{name}.g_idx does not give each group exactly group_size={config.group_size} inputs")
+        if not torch.equal(group_of[order], torch.arange(in_features) // group_size):
+            raise ValueError(f"{name}.g_idx does not give each group exactly group_size={group_size} inputs")
         codes = codes[order]
     z = zeros.float()
-    per_32 = config.group_size // 32
+    per_32 = group_size // 32
     d = scales.repeat_interleave(per_32, dim=0).T.contiguous()  # [out, in / 32]
     m = (-(z * scales)).repeat_interleave(per_32, dim=0).T.contiguous()
     return GGUFQuantizedTensor(name, config.method.upper(), codes.T.contiguous(), d, m, 4, order)
 
 
-def _check_shapes(name, config, codes, zeros, scales, in_features, groups, out) -> None:
+def _check_shapes(name, codes, zeros, scales, in_features, groups, out, group_size) -> None:
     if codes.shape[1] != out or zeros.shape != (groups, out):
         raise ValueError(f"{name}: qweight / qzeros / scales shapes {tuple(codes.shape)} / {tuple(zeros.shape)} / "
                          f"({groups}, {out}) do not fit a [{out}, {in_features}] weight")
-    if in_features != groups * config.group_size:
+    if in_features != groups * group_size:
         raise ValueError(f"{name}.scales has {groups} groups; {in_features} inputs in groups of "
-                         f"{config.group_size} need {in_features // config.group_size}")
+                         f"{group_size} need {in_features // group_size}")
 
 
-def _group_index(name: str, g_idx: Optional[torch.Tensor], config: QuantizationConfig, in_features: int
-                 ) -> torch.Tensor:
-    natural = torch.arange(in_features) // config.group_size
+def _group_index(name: str, g_idx: Optional[torch.Tensor], group_size: int, in_features: int) -> torch.Tensor:
+    natural = torch.arange(in_features) // group_size
     if g_idx is None:
         return natural
     if g_idx.shape != (in_features,):

@@ -51,7 +51,7 @@ def prompts():
 @pytest.mark.parametrize("quant", KEPT)
 def test_engine_on_kept_weights_gives_the_float_engines_results(gguf_files, quant, isa):
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3)
-    common = dict(dtype="float32", kv_cache_memory_bytes=1 << 22, skip_tokenizer_init=True)
+    common = dict(dtype="float32", kv_cache_memory_bytes=1 << 22, skip_tokenizer_init=True, device="cpu")
     dense = LLM(gguf_files[quant], **common).generate(prompts(), params, use_tqdm=False)
     llm = LLM(gguf_files[quant], quantization="gguf", **common)
     model = llm.engine.runner.model

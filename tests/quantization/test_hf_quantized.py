@@ -17,9 +17,7 @@ from safetensors.torch import load_file, save_file
 from conftest import assert_no_leaked_blocks
 from pagedserve import LLM, SamplingParams
 from pagedserve.loader.safetensors import HFFolderCheckpoint
-from pagedserve.quantization.hf_quantized import AWQ_ORDER
-
-GROUP = 32
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ's GEMM packing, written out here rather than imported
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -60,9 +58,12 @@ def pack_rows(values: torch.Tensor) -> torch.Tensor:
     return (words - ((words >> 31) & 1) * (1 << 32)).to(torch.int32)
 
 
-def write_checkpoint(source: str, target, method: str, desc_act: bool = False, seed: int = 0) -> tuple[str, str]:
-    """The tiny model quantized as `method`, and beside it a float checkpoint of the dequantized weights."""
-    quantized_dir, dequantized_dir = target / f"{method}-{desc_act}", target / f"{method}-{desc_act}-float"
+def write_checkpoint(source: str, target, method: str, desc_act: bool = False, group: int = 32,
+                     seed: int = 0) -> tuple[str, str]:
+    """The tiny model quantized as `method` in groups of `group` inputs, and beside it a float checkpoint of the
+    dequantized weights."""
+    quantized_dir = target / f"{method}-{desc_act}-{group}"
+    dequantized_dir = target / f"{method}-{desc_act}-{group}-float"
     for d in (quantized_dir, dequantized_dir):
         shutil.copytree(source, d)
     tensors = load_file(f"{source}/model.safetensors")
@@ -76,7 +77,7 @@ def write_checkpoint(source: str, target, method: str, desc_act: bool = False, s
         inputs = w.shape[1]
         order = torch.randperm(inputs, generator=g) if desc_act else torch.arange(inputs)
         group_of = torch.empty(inputs, dtype=torch.int64)
-        group_of[order] = torch.arange(inputs) // GROUP  # act-order: the k-th input processed is in group k // 32
+        group_of[order] = torch.arange(inputs) // group  # act-order: the k-th input processed is in group k // 32
         codes, zeros, scales, w_hat = quantize_4bit(w.float(), group_of)
         dequantized[name] = w_hat.contiguous()
         if method == "awq":
@@ -89,14 +90,15 @@ def write_checkpoint(source: str, target, method: str, desc_act: bool = False, s
     save_file(dequantized, f"{dequantized_dir}/model.safetensors")
     config = json.loads((quantized_dir / "config.json").read_text())
     config["quantization_config"] = (
-        {"quant_method": "awq", "bits": 4, "group_size": GROUP, "zero_point": True, "version": "gemm"}
-        if method == "awq" else {"quant_method": "gptq", "bits": 4, "group_size": GROUP, "desc_act": desc_act,
+        {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True, "version": "gemm"}
+        if method == "awq" else {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": desc_act,
                                  "sym": False, "checkpoint_format": "gptq"})
     (quantized_dir / "config.json").write_text(json.dumps(config))
     return str(quantized_dir), str(dequantized_dir)
 
 
-CASES = [("awq", False), ("gptq", False), ("gptq", True)]
+CASES = [("awq", False, 32), ("awq", False, 64), ("gptq", False, 32), ("gptq", True, 32), ("gptq", True, 64)]
+"""(method, desc_act, group size): 64 is two kernel groups of 32 with one scale, as 128 is four."""
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +107,7 @@ def checkpoints(tiny_llama_dir, tmp_path_factory):
     return {case: write_checkpoint(tiny_llama_dir, folder, *case) for case in CASES}
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-desc_act={c[1]}")
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-desc_act={c[1]}-group={c[2]}")
 def test_kept_weights_are_exactly_the_checkpoints_dequantized_values(checkpoints, case):
     quantized_dir, dequantized_dir = checkpoints[case]
     kept = dict(HFFolderCheckpoint(quantized_dir).iter_weights(torch.float32, keep_quantized=True))
@@ -114,7 +116,8 @@ def test_kept_weights_are_exactly_the_checkpoints_dequantized_values(checkpoints
     assert len(linear) == 2 * 7
     for name in linear:
         assert torch.equal(kept[name].dequantize(), reference[name]), name
-        assert (kept[name].input_order is not None) == case[1]
+        # act-order moves inputs between groups only where there is more than one group
+        assert (kept[name].input_order is not None) == (case[1] and kept[name].shape[1] > case[2])
 
 
 def prompts():
@@ -122,12 +125,12 @@ def prompts():
     return [{"prompt_token_ids": [rng.randrange(3, 390) for _ in range(n)]} for n in (3, 17, 40, 64)]
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-desc_act={c[1]}")
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-desc_act={c[1]}-group={c[2]}")
 def test_engine_matches_the_dequantized_and_the_original_float_weights(checkpoints, tiny_llama_dir, case, isa):
     from pagedserve.kernels import quant_gemm
 
     quantized_dir, dequantized_dir = checkpoints[case]
-    common = dict(dtype="float32", kv_cache_memory_bytes=1 << 22, skip_tokenizer_init=True)
+    common = dict(dtype="float32", kv_cache_memory_bytes=1 << 22, skip_tokenizer_init=True, device="cpu")
     params = SamplingParams(temperature=0, max_tokens=1, logprobs=5)
     llm = LLM(quantized_dir, **common)  # the method comes from quantization_config
     assert llm.engine.runner.model.model.layers[0].mlp.down_proj.quantized is not None
@@ -146,7 +149,7 @@ def test_engine_matches_the_dequantized_and_the_original_float_weights(checkpoin
 
 
 def test_unsupported_variants_are_refused_with_the_reason(checkpoints, tmp_path):
-    quantized_dir, _ = checkpoints[("awq", False)]
+    quantized_dir, _ = checkpoints[("awq", False, 32)]
     for change, message in [({"bits": 8}, "awq with bits=8 is not supported"),
                             ({"version": "gemv"}, "awq version='gemv'"),
                             ({"group_size": 48}, "group_size=48 is not supported"),
@@ -161,7 +164,7 @@ def test_unsupported_variants_are_refused_with_the_reason(checkpoints, tmp_path)
 
 
 def test_a_malformed_tensor_is_an_error_naming_it(checkpoints, tmp_path):
-    quantized_dir, _ = checkpoints[("gptq", False)]
+    quantized_dir, _ = checkpoints[("gptq", False, 32)]
     folder = tmp_path / "malformed"
     shutil.copytree(quantized_dir, folder)
     tensors = load_file(f"{folder}/model.safetensors")
@@ -172,7 +175,41 @@ def test_a_malformed_tensor_is_an_error_naming_it(checkpoints, tmp_path):
         LLM(str(folder), dtype="float32", kv_cache_memory_bytes=1 << 22, skip_tokenizer_init=True)
 
 
-def test_gguf_quantization_on_an_awq_folder_is_refused(checkpoints):
-    quantized_dir, _ = checkpoints[("awq", False)]
+def test_asking_for_another_method_than_the_checkpoints_is_refused(checkpoints):
+    quantized_dir, _ = checkpoints[("awq", False, 32)]
     with pytest.raises(ValueError, match="quantization='gptq' needs a checkpoint quantized with it"):
         LLM(quantized_dir, quantization="gptq", kv_cache_memory_bytes=1 << 22, skip_tokenizer_init=True)
+
+
+def test_awq_nibbles_unpack_to_columns_in_autoawqs_order():
+    """One word, 0x76543210: nibble i holds the value i, so column 8c + AWQ_ORDER[i] must come back as i."""
+    from pagedserve.quantization.hf_quantized import _columns
+
+    word = torch.tensor([[0x76543210]], dtype=torch.int32)
+    assert _columns(word, AWQ_ORDER).tolist() == [[0, 4, 1, 5, 2, 6, 3, 7]]
+
+
+def test_gptq_zero_points_of_zero_wrap_as_autogptq_reads_them(checkpoints):
+    """A stored z - 1 of -1 is the nibble 15, read back (masked, + 1) as 16, as AutoGPTQ and vLLM read it."""
+    from pagedserve.quantization.hf_quantized import QuantizationConfig, to_quantized_tensor
+
+    config = QuantizationConfig.from_hf({"quant_method": "gptq", "bits": 4, "group_size": 32})
+    tensors = {"qweight": torch.zeros(4, 16, dtype=torch.int32), "qzeros": torch.full((1, 2), -1, dtype=torch.int32),
+               "scales": torch.ones(1, 16, dtype=torch.float16)}
+    kept = to_quantized_tensor("w", tensors, config)
+    assert torch.equal(kept.dequantize(), torch.full((16, 32), -16.0))
+
+
+def test_all_zero_biases_of_bias_free_layers_are_skipped(checkpoints, tmp_path):
+    quantized_dir, _ = checkpoints[("gptq", False, 32)]
+    folder = tmp_path / "extra-bias"
+    shutil.copytree(quantized_dir, folder)
+    tensors = load_file(f"{folder}/model.safetensors")
+    tensors["model.layers.0.self_attn.q_proj.bias"] = torch.zeros(64, dtype=torch.float16)
+    save_file(tensors, f"{folder}/model.safetensors")
+    common = dict(dtype="float32", kv_cache_memory_bytes=1 << 22, skip_tokenizer_init=True, device="cpu")
+    LLM(str(folder), **common)
+    tensors["model.layers.0.self_attn.q_proj.bias"] = torch.ones(64, dtype=torch.float16)
+    save_file(tensors, f"{folder}/model.safetensors")
+    with pytest.raises(ValueError, match="q_proj.bias' has no matching parameter"):
+        LLM(str(folder), **common)
