@@ -5,17 +5,16 @@
  *   kind 8: w = d * q, q int8                    (Q8_0)
  *   kind 4: w = d * q + m, q in 0..15 (4 bits)    (Q4_0: m = -8d; Q4_1; Q4_K's 32-value sub-blocks)
  * pack_weight lays them out once in records, one per (block of 16 columns, group of 32 k), front to back:
- *   codes: kind 8: [8 quads][16 columns][4 k] int8 (512 bytes); kind 4: [4][16][4] bytes whose low nibbles
- *          hold quad j and high nibbles quad j + 4 (256 bytes: still 4 bits a weight)
- *   d[16], aux[16] float32: aux = m (kind 4), or -128 * d * sum(q) (kind 8, see below)
+ *   codes: kind 8: [8 quads][16 columns][4 k] bytes holding q + 128 (512 bytes); kind 4: [4][16][4] bytes
+ *          whose low nibbles hold quad j and high nibbles quad j + 4 (256 bytes: still 4 bits a weight)
+ *   d[16], aux[16] float32: aux = m (kind 4), or -128 * d (kind 8, see below)
  * so a record is 640 (kind 8) or 384 (kind 4) bytes, about 1.25 / 0.75 bytes per weight's worth of file.
  *
  * Paths, by the build's -march (kernels/build.py):
  * - AVX-512 VNNI (Zen 4, Intel since Ice Lake): activations are quantized per row and group to int8
- *   (s = amax / 127, xq = round(x / s), as llama.cpp does), and one VPDPBUSD per quad adds 4 products into
- *   each of 16 column sums: kind 4 multiplies the unsigned nibbles by the signed xq; kind 8 the unsigned
- *   xq + 128 by the signed codes, the 128 * sum(q) that adds being taken back through aux. Per group,
- *   y += s * (d * dot + aux * (kind 4: sum(xq); kind 8: 1)).
+ *   (s = amax / 127, xq = round(x / s), as llama.cpp does), and one VPDPBUSD per quad adds 4 products of the
+ *   unsigned codes (nibbles, or q + 128) and the signed xq into each of 16 column sums; for kind 8 the
+ *   128 * sum(xq) that q + 128 adds is taken back through aux. Per group, y += s * (d * dot + aux * sum(xq)).
  * - everything else: each record is dequantized into a [32][16] float tile (w exactly as above, in float32),
  *   and every row's x (float32) is multiplied in with FMAs: no activation quantization.
  * Each output is summed in float32 in k order whatever M is, so a row's result does not depend on the batch.
@@ -61,12 +60,10 @@ int pack_weight(const uint8_t *codes, const float *d, const float *m, uint8_t *p
             for (int64_t c = 0; c < COLS; ++c) {
                 const int64_t col = nb * COLS + c;
                 const uint8_t *q = codes + col * k + g * GROUP;
-                int32_t sum = 0;
                 for (int64_t kk = 0; kk < GROUP; ++kk) {
                     const int64_t quad = kk / 4, at = kk % 4;
                     if (kind == 8) {
-                        rec[(quad * COLS + c) * 4 + at] = q[kk];
-                        sum += (int8_t)q[kk];
+                        rec[(quad * COLS + c) * 4 + at] = (uint8_t)(q[kk] ^ 0x80u); /* q + 128, unsigned */
                     } else if (quad < 4) {
                         rec[(quad * COLS + c) * 4 + at] = (uint8_t)(q[kk] & 15);
                     } else {
@@ -74,7 +71,7 @@ int pack_weight(const uint8_t *codes, const float *d, const float *m, uint8_t *p
                     }
                 }
                 rd[c] = d[col * groups + g];
-                ra[c] = kind == 8 ? -128.f * d[col * groups + g] * (float)sum : m[col * groups + g];
+                ra[c] = kind == 8 ? -128.f * d[col * groups + g] : m[col * groups + g];
             }
         }
     return 0;
@@ -133,15 +130,16 @@ static void quantize_rows(const void *x, int64_t m, int64_t k, int bf16, int8_t 
     }
 }
 
-/* Rows [r0, r0 + rows) of column block nb. */
+/* Rows [r0, r0 + rows) of column block nb. Per group, each code vector is used by every row (the rows'
+ * int32 sums are independent chains, interleaved), and each row's quad of xq is a broadcast operand. */
 static inline __attribute__((always_inline)) void block_vnni(const int8_t *xq, const float *xs, const int32_t *xsum,
                                                             const uint8_t *packed, const void *bias, void *y,
                                                             int64_t r0, int64_t rows, int64_t nb, int64_t n,
                                                             int64_t k, const int kind, int bf16) {
     const int64_t groups = k / GROUP;
     __m512 f[ROWS_PER_PASS];
-    for (int64_t r = 0; r < rows; ++r) f[r] = _mm512_setzero_ps();
-    const __m512i low = _mm512_set1_epi8(0x0f), flip = _mm512_set1_epi32((int)0x80808080u);
+    for (int64_t r = 0; r < ROWS_PER_PASS; ++r) f[r] = _mm512_setzero_ps();
+    const __m512i low = _mm512_set1_epi8(0x0f);
     for (int64_t g = 0; g < groups; ++g) {
         const uint8_t *rec = packed + (nb * groups + g) * record_bytes(kind);
         __m512i w[8];
@@ -154,22 +152,21 @@ static inline __attribute__((always_inline)) void block_vnni(const int8_t *xq, c
                 w[j + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
             }
         }
+        __m512i acc[ROWS_PER_PASS];
+        for (int64_t r = 0; r < ROWS_PER_PASS; ++r) acc[r] = _mm512_setzero_si512();
+        for (int j = 0; j < 8; ++j)
+            for (int64_t r = 0; r < rows; ++r) {
+                int32_t quad;
+                memcpy(&quad, xq + (r0 + r) * k + g * GROUP + 4 * j, sizeof quad);
+                acc[r] = _mm512_dpbusd_epi32(acc[r], w[j], _mm512_set1_epi32(quad));
+            }
         const __m512 dv = _mm512_loadu_ps((const float *)(rec + code_bytes(kind)));
         const __m512 av = _mm512_loadu_ps((const float *)(rec + code_bytes(kind)) + COLS);
         for (int64_t r = 0; r < rows; ++r) {
             const int64_t row = r0 + r;
-            int32_t quads[8];
-            memcpy(quads, xq + row * k + g * GROUP, sizeof quads);
-            __m512i acc = _mm512_setzero_si512();
-            for (int j = 0; j < 8; ++j) {
-                const __m512i xb = _mm512_set1_epi32(quads[j]);
-                acc = kind == 8 ? _mm512_dpbusd_epi32(acc, _mm512_xor_si512(xb, flip), w[j])
-                                : _mm512_dpbusd_epi32(acc, w[j], xb);
-            }
             const float s = xs[row * groups + g];
-            const float t = kind == 8 ? s : s * (float)xsum[row * groups + g];
-            f[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_mul_ps(dv, _mm512_set1_ps(s)), f[r]);
-            f[r] = _mm512_fmadd_ps(av, _mm512_set1_ps(t), f[r]);
+            f[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r]), _mm512_mul_ps(dv, _mm512_set1_ps(s)), f[r]);
+            f[r] = _mm512_fmadd_ps(av, _mm512_set1_ps(s * (float)xsum[row * groups + g]), f[r]);
         }
     }
     for (int64_t r = 0; r < rows; ++r) {
@@ -183,7 +180,17 @@ static inline __attribute__((always_inline)) void block_vnni(const int8_t *xq, c
     }
 }
 
-#define BLOCK_CALL(KIND) block_vnni(xq, xs, xsum, packed, bias, y, r0, rows, nb, n, k, KIND, bf16)
+/* A full pass (and a single row) takes a literal row count, so that its loops unroll and the per-row sums stay in
+ * registers. */
+#define BLOCK_CALL(KIND)                                                                                  \
+    do {                                                                                                  \
+        if (rows == ROWS_PER_PASS)                                                                        \
+            block_vnni(xq, xs, xsum, packed, bias, y, r0, ROWS_PER_PASS, nb, n, k, KIND, bf16);           \
+        else if (rows == 1) /* single-stream decode */                                                    \
+            block_vnni(xq, xs, xsum, packed, bias, y, r0, 1, nb, n, k, KIND, bf16);                       \
+        else                                                                                              \
+            block_vnni(xq, xs, xsum, packed, bias, y, r0, rows, nb, n, k, KIND, bf16);                    \
+    } while (0)
 
 int quant_gemm(const void *x, const uint8_t *packed, const void *bias, void *y, int64_t m, int64_t n, int64_t k,
                int kind, int bf16, int threads) {
@@ -218,7 +225,7 @@ static inline void record_to_tile(const uint8_t *rec, int kind, float tile[GROUP
         const int64_t quad = kk / 4, at = kk % 4;
         for (int64_t c = 0; c < COLS; ++c) {
             if (kind == 8) {
-                tile[kk][c] = d[c] * (float)(int8_t)rec[(quad * COLS + c) * 4 + at];
+                tile[kk][c] = d[c] * (float)((int)rec[(quad * COLS + c) * 4 + at] - 128);
             } else {
                 const uint8_t byte = rec[((quad % 4) * COLS + c) * 4 + at];
                 tile[kk][c] = d[c] * (float)(quad < 4 ? byte & 15 : byte >> 4) + m[c];
