@@ -74,9 +74,9 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         if seq.block_table is None:  # the whole context is this step's tokens
             out[rows] = _prefill_attention(query[rows], key[rows], value[rows], batch=len(group))
         else:
-            k, v = (_gather_sequence(cache, seq.block_table, seq.context_len, query.dtype, scales, is_key)
-                    for cache, scales, is_key in ((key_cache, kv_scales and kv_scales[0], True),
-                                                  (value_cache, kv_scales and kv_scales[1], False)))
+            key_scale, value_scale = kv_scales or (None, None)
+            k = _gather_sequence(key_cache, seq.block_table, seq.context_len, query.dtype, key_scale, True)
+            v = _gather_sequence(value_cache, seq.block_table, seq.context_len, query.dtype, value_scale, False)
             out[rows] = _prefill_attention(query[rows], k, v, past=seq.context_len - seq.query_len)
     return out
 

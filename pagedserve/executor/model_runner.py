@@ -83,9 +83,9 @@ class ModelRunner:
     def bytes_per_block(self) -> int:
         """K and V of every layer for one block: elements, plus a bf16 scale per (token, head) when 8-bit."""
         h, b, d = self.kv_shape_tail
-        per_token_head = d * _itemsize(self.kv_cache_dtype)
+        per_token_head = d * self.kv_cache_dtype.itemsize
         if kv_quant.is_quantized(self.kv_cache_dtype):
-            per_token_head += _itemsize(kv_quant.SCALE_DTYPE)
+            per_token_head += kv_quant.SCALE_DTYPE.itemsize
         return 2 * self.num_layers * b * h * per_token_head
 
     def _allocate_kv_cache(self):
@@ -264,11 +264,7 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     stale NaNs would poison that."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    return huge_page_zeros(math.prod(shape) * _itemsize(dtype)).view(dtype).view(shape)
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.tensor([], dtype=dtype).element_size()
+    return huge_page_zeros(math.prod(shape) * dtype.itemsize).view(dtype).view(shape)
 
 
 def _available_ram() -> int:

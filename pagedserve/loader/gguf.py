@@ -233,7 +233,7 @@ class GGUFCheckpoint:
         """Yield (HF parameter name, tensor) for every weight, dequantized to ``dtype``, in file order.
 
         keep_quantized: linear-layer weights of a type the quantized matmul takes (quantization/gguf_weights.py:
-        Q8_0, Q4_0, Q4_1, Q4_K) come as a GGUFQuantizedTensor instead (--quantization gguf).
+        Q8_0, Q4_0, Q4_1, Q4_K) come as a QuantizedTensor instead (--quantization gguf).
 
         Tensors have HF shapes ([out_features, in_features] for linear weights) and, for llama, the
         q/k rows in HF order, so they equal the weights of the HF checkpoint the file was made from

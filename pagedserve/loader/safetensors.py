@@ -37,7 +37,7 @@ class HFFolderCheckpoint:
 
     def iter_weights(self, dtype: torch.dtype, keep_quantized: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, tensor) in the checkpoint's names, floats in `dtype`. keep_quantized (an AWQ / GPTQ
-        checkpoint): each quantized linear comes once, as `<prefix>.weight` -> a GGUFQuantizedTensor."""
+        checkpoint): each quantized linear comes once, as `<prefix>.weight` -> a QuantizedTensor."""
         from safetensors import safe_open
 
         config = QuantizationConfig.from_hf(self.quantization_config) if keep_quantized else None

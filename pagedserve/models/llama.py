@@ -21,7 +21,7 @@ from pagedserve.layers.activation import silu_and_mul
 from pagedserve.layers.linear import Linear
 from pagedserve.layers.norm import RMSNorm
 from pagedserve.layers.rotary import RotaryEmbedding, apply_rotary
-from pagedserve.quantization.gguf_weights import GGUFQuantizedTensor, QuantizedParts
+from pagedserve.quantization.quantized_tensor import QuantizedParts, QuantizedTensor
 
 
 class RopeInputs(NamedTuple):
@@ -214,7 +214,7 @@ class LlamaForCausalLM(nn.Module):
             if tuple(dest.shape) != tuple(tensor.shape):
                 raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
                                  f"expected {tuple(dest.shape)}")
-            if isinstance(tensor, GGUFQuantizedTensor):
+            if isinstance(tensor, QuantizedTensor):
                 if isinstance(self.get_submodule(target.removesuffix(".weight")), Linear):
                     quantized.add(target, shard or 0, tensor, dest)
                 else:  # a quantized LM head or embedding: computed in float here

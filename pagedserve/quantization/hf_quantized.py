@@ -23,7 +23,7 @@ from typing import Optional
 
 import torch
 
-from pagedserve.quantization.gguf_weights import GGUFQuantizedTensor
+from pagedserve.quantization.quantized_tensor import QuantizedTensor
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 """AWQ's GEMM packing: nibble i of a word holds output column 8c + AWQ_ORDER[i]."""
@@ -78,7 +78,7 @@ def _columns(words: torch.Tensor, order: Optional[tuple[int, ...]]) -> torch.Ten
 
 
 def to_quantized_tensor(name: str, tensors: dict[str, torch.Tensor], config: QuantizationConfig
-                        ) -> GGUFQuantizedTensor:
+                        ) -> QuantizedTensor:
     """One linear's checkpoint tensors (keys: TENSOR_SUFFIXES present) -> codes [out, in], per-32 scales and
     offsets; a ValueError naming the tensor when one is missing or has the wrong shape."""
     for key in ("qweight", "qzeros", "scales"):
@@ -113,7 +113,7 @@ def to_quantized_tensor(name: str, tensors: dict[str, torch.Tensor], config: Qua
     per_32 = group_size // 32
     d = scales.repeat_interleave(per_32, dim=0).T.contiguous()  # [out, in / 32]
     m = (-(z * scales)).repeat_interleave(per_32, dim=0).T.contiguous()
-    return GGUFQuantizedTensor(name, config.method.upper(), codes.T.contiguous(), d, m, 4, order)
+    return QuantizedTensor(name, config.method.upper(), codes.T.contiguous(), d, m, 4, order)
 
 
 def _check_shapes(name, codes, zeros, scales, in_features, groups, out, group_size) -> None:

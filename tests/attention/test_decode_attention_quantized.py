@@ -29,6 +29,15 @@ def _caches(head_dim: int, block_size: int, kv_dtype: torch.dtype, seed: int = 0
     return (key_codes, v_codes), (k_scale, v_scale), dequantized, (as_key_tiles(k), v)
 
 
+def _case(kv_dtype: torch.dtype, seed: int, query_dtype: torch.dtype = torch.float32, head_dim: int = 64,
+          block_size: int = 16):
+    """(8-bit caches, their scales, dequantized caches, original caches, block tables, context lens, query)."""
+    caches, scales, dequantized, original = _caches(head_dim, block_size, kv_dtype)
+    tables, lens = _batch(block_size)
+    query = torch.randn(5, 6, head_dim, generator=torch.Generator().manual_seed(seed)).to(query_dtype)
+    return caches, scales, dequantized, original, tables, lens, query
+
+
 def _batch(block_size: int, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     tables = torch.stack([torch.randperm(24, generator=g)[:10] for _ in range(5)])
@@ -41,9 +50,7 @@ def _batch(block_size: int, seed: int = 0):
 @pytest.mark.parametrize("head_dim,block_size", SHAPES)
 def test_kernel_equals_the_float32_kernel_over_dequantized_values_bit_for_bit(kv_dtype, query_dtype, head_dim,
                                                                            block_size, isa):
-    caches, scales, dequantized, _ = _caches(head_dim, block_size, kv_dtype)
-    tables, lens = _batch(block_size)
-    query = torch.randn(5, 6, head_dim, generator=torch.Generator().manual_seed(2)).to(query_dtype)
+    caches, scales, dequantized, _, tables, lens, query = _case(kv_dtype, 2, query_dtype, head_dim, block_size)
     out = cpu_decode.decode_attention(query, *caches, tables, lens, scales)
     reference = cpu_decode.decode_attention(query.float(), *dequantized, tables, lens).to(query_dtype)
     assert torch.equal(out, reference)
@@ -51,9 +58,7 @@ def test_kernel_equals_the_float32_kernel_over_dequantized_values_bit_for_bit(kv
 
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES, ids=str)
 def test_kernel_stays_close_to_the_unquantized_cache(kv_dtype, isa):
-    caches, scales, _, original = _caches(64, 16, kv_dtype)
-    tables, lens = _batch(16)
-    query = torch.randn(5, 6, 64, generator=torch.Generator().manual_seed(3))
+    caches, scales, _, original, tables, lens, query = _case(kv_dtype, 3)
     out = cpu_decode.decode_attention(query, *caches, tables, lens, scales)
     exact = cpu_decode.decode_attention(query, *original, tables, lens)
     # Outputs are ~unit-scale mixtures of V rows; K at 3x scale makes the scores sharp. Measured maxima here:
@@ -66,9 +71,7 @@ def test_kernel_stays_close_to_the_unquantized_cache(kv_dtype, isa):
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES, ids=str)
 @pytest.mark.parametrize("query_dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_torch_reference_path_agrees_with_the_kernel(kv_dtype, query_dtype):
-    caches, scales, _, _ = _caches(64, 16, kv_dtype)
-    tables, lens = _batch(16)
-    query = torch.randn(5, 6, 64, generator=torch.Generator().manual_seed(4)).to(query_dtype)
+    caches, scales, _, _, tables, lens, query = _case(kv_dtype, 4, query_dtype)
     torch_out = decode_attention_torch(query, *caches, DecodeBatch(tables, lens, 2, 16), scales)
     kernel_out = cpu_decode.decode_attention(query, *caches, tables, lens, scales)
     # both compute in float32 over the dequantized values; bf16 outputs may round to neighbouring values
@@ -87,9 +90,7 @@ def test_an_8bit_cache_without_its_scales_is_a_clear_error():
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES, ids=str)
 def test_stale_slots_past_the_context_do_not_change_the_output(kv_dtype, isa):
     """Codes and scales of slots no sequence has reached yet (here NaN scales and 0xff codes) are never read."""
-    caches, scales, _, _ = _caches(64, 16, kv_dtype)
-    tables, lens = _batch(16)
-    query = torch.randn(5, 6, 64, generator=torch.Generator().manual_seed(5))
+    caches, scales, _, _, tables, lens, query = _case(kv_dtype, 5)
     clean = cpu_decode.decode_attention(query, *caches, tables, lens, scales)
     dirty_caches = tuple(c.clone() for c in caches)
     dirty_scales = tuple(s.clone() for s in scales)

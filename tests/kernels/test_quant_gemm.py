@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from pagedserve.kernels import quant_gemm
-from pagedserve.quantization.gguf_weights import GGUFQuantizedTensor
+from pagedserve.quantization.quantized_tensor import QuantizedTensor
 
 
-def random_weight(n: int, k: int, kind: int, seed: int = 0) -> GGUFQuantizedTensor:
+def random_weight(n: int, k: int, kind: int, seed: int = 0) -> QuantizedTensor:
     g = torch.Generator().manual_seed(seed)
     groups = k // 32
     if kind == 8:
@@ -21,10 +21,10 @@ def random_weight(n: int, k: int, kind: int, seed: int = 0) -> GGUFQuantizedTens
         codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
     scales = (torch.rand(n, groups, generator=g) * 0.02 + 0.001).half().float()
     offsets = torch.zeros(n, groups) if kind == 8 else -(torch.rand(n, groups, generator=g) * 0.1).half().float()
-    return GGUFQuantizedTensor("w", None, codes, scales, offsets, kind)
+    return QuantizedTensor("w", None, codes, scales, offsets, kind)
 
 
-def emulate_vnni(x: torch.Tensor, weight: GGUFQuantizedTensor) -> torch.Tensor:
+def emulate_vnni(x: torch.Tensor, weight: QuantizedTensor) -> torch.Tensor:
     """The VNNI path's arithmetic: x quantized per row and group of 32 in float32 as the kernel does it
     (s = amax / 127, xq = round-half-even(x / s)), then the products summed in float64."""
     m, k = x.shape

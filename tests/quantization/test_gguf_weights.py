@@ -14,7 +14,7 @@ from pagedserve import LLM, SamplingParams
 from pagedserve.kernels import quant_gemm
 from pagedserve.loader.gguf import GGUFCheckpoint
 from pagedserve.loader.gguf_writer import write_gguf
-from pagedserve.quantization.gguf_weights import GGUFQuantizedTensor
+from pagedserve.quantization.quantized_tensor import QuantizedTensor
 
 KEPT = ["Q8_0", "Q4_0", "Q4_1"]
 
@@ -37,7 +37,7 @@ def test_kept_weights_hold_exactly_the_float_loaders_values(gguf_files, quant):
     checkpoint = GGUFCheckpoint(gguf_files[quant])
     dense = dict(checkpoint.iter_weights(torch.float32))
     kept = dict(checkpoint.iter_weights(torch.float32, keep_quantized=True))
-    linear = [name for name, t in kept.items() if isinstance(t, GGUFQuantizedTensor)]
+    linear = [name for name, t in kept.items() if isinstance(t, QuantizedTensor)]
     assert len(linear) == 2 * 7  # q, k, v, o, gate, up, down of both layers; embeddings and norms stay float
     for name in linear:
         assert torch.equal(kept[name].dequantize(), dense[name]), name  # q/k rows un-permuted as well
@@ -117,7 +117,7 @@ def test_a_fused_linear_of_mixed_types_is_dequantized_not_refused(gguf_files, mo
             w = tensor.dequantize()
             scale = w.view(shape[0], -1, 32).abs().amax(-1) / 127
             codes = torch.round(w.view(shape[0], -1, 32) / scale.clamp(min=1e-12).unsqueeze(-1))
-            tensor = gguf_weights.GGUFQuantizedTensor(name, tensor.qtype, codes.to(torch.int8).view(shape).view(torch.uint8),
+            tensor = QuantizedTensor(name, tensor.qtype, codes.to(torch.int8).view(shape).view(torch.uint8),
                                                       scale, torch.zeros_like(scale), 8)
         return tensor
 

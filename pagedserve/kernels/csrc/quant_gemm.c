@@ -77,17 +77,22 @@ int pack_weight(const uint8_t *codes, const float *d, const float *m, uint8_t *p
     return 0;
 }
 
-/* Row r of x (bf16 or f32) as float32. */
-static inline void row_to_f32(const void *x, int64_t r, int64_t k, int bf16, float *out) {
-    for (int64_t i = 0; i < k; ++i)
-        out[i] = bf16 ? bf16_to_f32(((const uint16_t *)x)[r * k + i]) : ((const float *)x)[r * k + i];
+/* Element i of a bf16 or f32 array, as float32. */
+static inline float value_at(const void *p, int64_t i, int bf16) {
+    return bf16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
 }
 
-static inline void store_output(void *y, int64_t at, float v, int bf16) {
-    if (bf16)
-        ((uint16_t *)y)[at] = f32_to_bf16(v);
-    else
-        ((float *)y)[at] = v;
+/* One row's 16 column sums of block nb, plus the bias, into y[row, nb * 16 ...] in the activation dtype. */
+static inline void store_block_row(void *y, const float *sums, const void *bias, int64_t row, int64_t nb, int64_t n,
+                                   int bf16) {
+    for (int64_t c = 0; c < COLS; ++c) {
+        const int64_t col = nb * COLS + c, at = row * n + col;
+        const float v = sums[c] + (bias ? value_at(bias, col, bf16) : 0.f);
+        if (bf16)
+            ((uint16_t *)y)[at] = f32_to_bf16(v);
+        else
+            ((float *)y)[at] = v;
+    }
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -107,7 +112,7 @@ static void quantize_rows(const void *x, int64_t m, int64_t k, int bf16, int8_t 
             int finite = 1;
             for (int64_t i = 0; i < GROUP; ++i) {
                 const int64_t at = r * k + g * GROUP + i;
-                row[i] = bf16 ? bf16_to_f32(((const uint16_t *)x)[at]) : ((const float *)x)[at];
+                row[i] = value_at(x, at, bf16);
                 finite &= isfinite(row[i]);
                 amax = fabsf(row[i]) > amax ? fabsf(row[i]) : amax;
             }
@@ -170,13 +175,9 @@ static inline __attribute__((always_inline)) void block_vnni(const int8_t *xq, c
         }
     }
     for (int64_t r = 0; r < rows; ++r) {
-        float out[COLS];
-        _mm512_storeu_ps(out, f[r]);
-        for (int64_t c = 0; c < COLS; ++c) {
-            const int64_t col = nb * COLS + c;
-            const float b = bias ? (bf16 ? bf16_to_f32(((const uint16_t *)bias)[col]) : ((const float *)bias)[col]) : 0.f;
-            store_output(y, (r0 + r) * n + col, out[c] + b, bf16);
-        }
+        float sums[COLS];
+        _mm512_storeu_ps(sums, f[r]);
+        store_block_row(y, sums, bias, r0 + r, nb, n, bf16);
     }
 }
 
@@ -239,7 +240,7 @@ int quant_gemm(const void *x, const uint8_t *packed, const void *bias, void *y, 
     if (n % COLS || k % GROUP || (kind != 8 && kind != 4)) return 1;
     float *xf = malloc(sizeof(float) * (size_t)(m * k));
     if (!xf) return 2;
-    for (int64_t r = 0; r < m; ++r) row_to_f32(x, r, k, bf16, xf + r * k);
+    for (int64_t i = 0; i < m * k; ++i) xf[i] = value_at(x, i, bf16);
     const int64_t groups = k / GROUP;
 #pragma omp parallel for num_threads(threads) schedule(static) collapse(2)
     for (int64_t nb = 0; nb < n / COLS; ++nb)
@@ -255,12 +256,7 @@ int quant_gemm(const void *x, const uint8_t *packed, const void *bias, void *y, 
                         for (int64_t c = 0; c < COLS; ++c) acc[r][c] += xr[kk] * tile[kk][c];
                 }
             }
-            for (int64_t r = 0; r < rows; ++r)
-                for (int64_t c = 0; c < COLS; ++c) {
-                    const int64_t col = nb * COLS + c;
-                    const float b = bias ? (bf16 ? bf16_to_f32(((const uint16_t *)bias)[col]) : ((const float *)bias)[col]) : 0.f;
-                    store_output(y, (r0 + r) * n + col, acc[r][c] + b, bf16);
-                }
+            for (int64_t r = 0; r < rows; ++r) store_block_row(y, acc[r], bias, r0 + r, nb, n, bf16);
         }
     free(xf);
     return 0;
