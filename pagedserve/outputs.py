@@ -55,3 +55,5 @@ class RequestOutput:
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(0.0))
     num_cached_tokens: int = 0
     """Prompt tokens whose KV came from the prefix cache instead of being computed."""
+    replica: Optional[str] = None
+    """The engine replica that ran the request, on its first output (scale-out on Ray); None otherwise."""

@@ -27,7 +27,7 @@ from typing import AsyncIterator, Callable, Optional
 from pagedserve.config import EngineConfig
 from pagedserve.core.request import RequestIdInUseError
 from pagedserve.engine.core_client import EngineCoreClient
-from pagedserve.engine.core_output import QueueFullError
+from pagedserve.engine.core_output import CoreInfo, QueueFullError
 from pagedserve.engine.input_processor import InputProcessor, PromptType
 from pagedserve.engine.output_processor import OutputProcessor
 from pagedserve.metrics.stats import EngineStats, IterationStats, StatsTracker
@@ -57,6 +57,15 @@ class _Target:
             pass
 
 
+def front_end_input_processor(config: EngineConfig, tokenizer, info: CoreInfo) -> InputProcessor:
+    """The InputProcessor of a front end whose core reported `info` (its eos ids join the tokenizer's)."""
+    eos = set(info.eos_token_ids)
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        eos.add(tokenizer.eos_token_id)
+    return InputProcessor(tokenizer, info.vocab_size, info.max_model_len, frozenset(eos),
+                          config.scheduler_config.scheduling_policy, config.lora_config.enable_lora)
+
+
 class AsyncLLM:
     def __init__(self, config: EngineConfig, max_num_queued_requests: Optional[int] = None,
                  stat_loggers: Optional[list[StatLogger]] = None) -> None:
@@ -83,14 +92,8 @@ class AsyncLLM:
         except BaseException:
             self._client.shutdown(timeout=5)
             raise
-        eos = set(self.info.eos_token_ids)
-        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            eos.add(self.tokenizer.eos_token_id)
         # Requests are tokenized on the event loop while the reader thread detokenizes: one tokenizer each.
-        self.input_processor = InputProcessor(copy.deepcopy(self.tokenizer), self.info.vocab_size,
-                                              self.info.max_model_len, frozenset(eos),
-                                              config.scheduler_config.scheduling_policy,
-                                              config.lora_config.enable_lora)
+        self.input_processor = front_end_input_processor(config, copy.deepcopy(self.tokenizer), self.info)
         self.output_processor = OutputProcessor(self.tokenizer)
 
     @classmethod

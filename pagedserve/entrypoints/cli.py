@@ -91,11 +91,41 @@ def _add_serve(subparsers) -> None:
                         "({\"name\": ..., \"parameters\": ...}). Default: hermes.")
     p.add_argument("--allow-runtime-lora-updating", action="store_true",
                    help="Enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter (admin keys only).")
+    _add_ray_args(p)
     add_engine_args(p)
     p.set_defaults(func=_run_serve)
 
 
+def _add_ray_args(p) -> None:
+    from pagedserve.distributed.app import DEFAULT_TARGET_WAITING
+    from pagedserve.distributed.routing_policy import ROUTER_POLICIES, RouterConfig
+
+    g = p.add_argument_group("scale-out on Ray Serve (pip install 'pagedserve[ray]')")
+    g.add_argument("--ray", action="store_true",
+                   help="Serve through Ray Serve: one OpenAI ingress over --num-replicas engine replicas.")
+    g.add_argument("--num-replicas", type=int, default=1, help="Engine replicas (with --ray).")
+    g.add_argument("--ray-address", default=None,
+                   help="The Ray cluster to join ('auto' for the one `ray start` began here); default: start one.")
+    g.add_argument("--autoscale-min", type=int, default=None, help="Autoscale between this many replicas ...")
+    g.add_argument("--autoscale-max", type=int, default=None, help="... and this many (give both).")
+    g.add_argument("--autoscale-target-waiting", type=int, default=DEFAULT_TARGET_WAITING,
+                   help="Waiting requests per replica the autoscaler aims at, beyond max_num_seqs running ones.")
+    g.add_argument("--ray-cpus-per-replica", type=float, default=1.0, help="Ray CPUs each engine replica takes.")
+    g.add_argument("--ray-gpus-per-replica", type=float, default=0.0, help="Ray GPUs each engine replica takes.")
+    g.add_argument("--router", choices=ROUTER_POLICIES, default=RouterConfig.policy,
+                   help="How requests pick a replica: prefix (the one holding the longest cached run of the "
+                        "request's blocks, unless overloaded), least-loaded (power of two choices) or "
+                        "round-robin.")
+    g.add_argument("--router-imbalance-threshold", type=int, default=RouterConfig.imbalance_threshold,
+                   help="With --router prefix: requests in flight by which the prefix's replica may exceed the "
+                        "least-loaded one before a request goes to the least-loaded instead.")
+
+
 def _run_serve(args: argparse.Namespace) -> int:
+    if args.ray:
+        from pagedserve.distributed.app import serve_on_ray
+
+        return serve_on_ray(args)
     from pagedserve.entrypoints.openai.server import serve
 
     return serve(args)

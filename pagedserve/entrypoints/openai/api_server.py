@@ -13,7 +13,7 @@ import json
 import logging
 import os
 import time
-from typing import Optional
+from typing import Awaitable, Callable, Optional
 
 from fastapi import FastAPI
 from fastapi.responses import PlainTextResponse, Response
@@ -96,9 +96,11 @@ async def _read_json(request: Request, config: ServerConfig, model_cls):
 
 
 def build_app(async_llm: AsyncLLM, args, metrics: Optional[PrometheusStatLogger] = None,
-              tenants: Optional[TenantStore] = None, rate_limiter: Optional[RateLimiter] = None) -> FastAPI:
-    """The app over a running AsyncLLM. `tenants` (default: from args), `metrics` and `rate_limiter` (its clock
-    is what tests move) may be given."""
+              tenants: Optional[TenantStore] = None, rate_limiter: Optional[RateLimiter] = None,
+              render_metrics: Optional[Callable[[], Awaitable[bytes]]] = None) -> FastAPI:
+    """The app over a running AsyncLLM (or an object with its face: distributed.RemoteEngine). `tenants`
+    (default: from args), `metrics` and `rate_limiter` (its clock is what tests move) may be given;
+    `render_metrics` replaces the /metrics body (the Ray ingress adds its replicas' metrics)."""
     config = server_config(args)
     tenants = tenants or tenant_store(config)
     enable_lora = bool(getattr(args, "enable_lora", False))
@@ -116,7 +118,7 @@ def build_app(async_llm: AsyncLLM, args, metrics: Optional[PrometheusStatLogger]
     app.state.tenants, app.state.rate_limiter, app.state.reload_keys = tenants, rate_limiter, tenants.reload
     _add_error_handlers(app)
     app.state.lora_modules = lora_modules
-    _add_info_routes(app, async_llm, args, config, metrics, lora_modules)
+    _add_info_routes(app, async_llm, args, config, lora_modules, render_metrics or _rendered(metrics))
     _add_generation_routes(app, async_llm, config, lora_modules, metrics)
     _add_admin_routes(app, async_llm)
     if getattr(args, "allow_runtime_lora_updating", False):
@@ -145,8 +147,14 @@ def _add_error_handlers(app: FastAPI) -> None:
         return error_response(f"internal server error: {e!r}", 500)
 
 
-def _add_info_routes(app: FastAPI, async_llm: AsyncLLM, args, config: ServerConfig,
-                     metrics: PrometheusStatLogger, lora_modules: LoRAModules) -> None:
+def _rendered(metrics: PrometheusStatLogger) -> Callable[[], Awaitable[bytes]]:
+    async def render() -> bytes:
+        return metrics.render()
+    return render
+
+
+def _add_info_routes(app: FastAPI, async_llm: AsyncLLM, args, config: ServerConfig, lora_modules: LoRAModules,
+                     render_metrics: Callable[[], Awaitable[bytes]]) -> None:
     started = int(time.time())
 
     @app.get("/health")
@@ -161,7 +169,7 @@ def _add_info_routes(app: FastAPI, async_llm: AsyncLLM, args, config: ServerConf
 
     @app.get("/metrics")
     async def prometheus_metrics():
-        return Response(metrics.render(), media_type=CONTENT_TYPE)
+        return Response(await render_metrics(), media_type=CONTENT_TYPE)
 
     @app.get("/v1/models")
     async def models():

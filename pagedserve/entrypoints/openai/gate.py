@@ -28,6 +28,8 @@ OPEN_ROUTES = ("/health",)
 """Routes that never need a key."""
 ADMIN_ROUTES = ("/reset_prefix_cache", "/v1/load_lora_adapter", "/v1/unload_lora_adapter")
 """Routes for admin-scope keys only (403 for a user key). Every admin route joins this list."""
+REPLICA_HEADER = b"x-pagedserve-replica"
+"""Names the engine replica(s) that served a generation request (Ray scale-out only)."""
 
 
 class Gate:
@@ -106,6 +108,8 @@ class Gate:
         headers = [] if request_id is None else [(b"x-request-id", request_id.encode())]
         if ctx is not None and ctx.limiter is not None:
             headers += ratelimit_headers(ctx.limiter)
+        if ctx is not None and ctx.replicas:
+            headers.append((REPLICA_HEADER, ",".join(ctx.replicas).encode()))
         return headers
 
     def _count(self, scope, ctx: Optional[RequestContext], status: int) -> None:

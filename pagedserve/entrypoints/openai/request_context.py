@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 from starlette.requests import Request as HTTPRequest
@@ -36,6 +36,8 @@ class RequestContext:
     metrics: Optional[TenantMetrics] = None
     holds_slot: bool = False
     reserved_tokens: int = 0
+    replicas: list[str] = field(default_factory=list)
+    """The engine replicas that served it (scale-out on Ray), in order; sent as x-pagedserve-replica."""
 
     def admit(self):
         """Take a concurrency slot and a request from the tenant's buckets; the Refusal when a limit says no."""

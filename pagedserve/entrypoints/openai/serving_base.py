@@ -240,6 +240,8 @@ async def _metered(stream: AsyncIterator[tuple[int, RequestOutput]], ctx: Reques
     generated = 0
     try:
         async for i, out in stream:
+            if out.replica is not None:
+                ctx.replicas.append(out.replica)
             started.add(i)
             generated += sum(len(c.token_ids) for c in out.outputs)
             yield i, out

@@ -1,0 +1,77 @@
+"""EngineReplica: the engine deployment's class. Each replica runs one AsyncLLM (its engine core in a process of
+its own, as under `pagedserve serve`), streams the outputs of the requests routed to it, and reports its
+metrics to the ReplicaBoard."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Optional
+
+from ray import serve
+
+from pagedserve.distributed.replica_board import REPORT_PERIOD_S
+from pagedserve.distributed.replica_error import ReplicaError
+from pagedserve.engine.async_llm import AsyncLLM, EngineDeadError, QueueFullError
+from pagedserve.metrics.prometheus import PrometheusStatLogger
+
+logger = logging.getLogger(__name__)
+
+
+class EngineReplica:
+    def __init__(self, engine_kwargs: dict, max_num_queued_requests: Optional[int], model_name: str,
+                 board) -> None:
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        self.async_llm = AsyncLLM.from_kwargs(max_num_queued_requests=max_num_queued_requests, **engine_kwargs)
+        self.metrics_logger = PrometheusStatLogger(model_name)
+        self.metrics_logger.log_cache_config(self.async_llm.info)
+        self.async_llm.stat_loggers.append(self.metrics_logger)
+        self._board = board
+        self._reporter = asyncio.get_event_loop().create_task(self._report_forever())
+        logger.info("engine replica %s ready", self.replica_id)
+
+    def info(self):
+        """The CoreInfo of this replica's core (every replica has the same model and cache settings)."""
+        return self.async_llm.info
+
+    async def generate(self, prompt, params, request_id: str, priority: int = 0, tenant: Optional[str] = None,
+                       lora_request=None, routing=None):
+        """AsyncLLM.generate's deltas; the first names this replica. A refusal or an engine failure arrives
+        as a ReplicaError item (the last). `routing` is the router's, unused here."""
+        first = True
+        try:
+            async for output in self.async_llm.generate(prompt, params, request_id, priority=priority,
+                                                        tenant=tenant, lora_request=lora_request):
+                if first:
+                    output.replica, first = self.replica_id, False
+                yield output
+        except (ValueError, QueueFullError, EngineDeadError) as e:
+            yield ReplicaError.of(e)
+
+    def metrics(self, replica: Optional[str] = None) -> str:
+        """This replica's metrics now (`replica` pins the call here, see the router)."""
+        return self.metrics_logger.render().decode()
+
+    async def reset_prefix_cache(self, replica: Optional[str] = None) -> bool:
+        return await asyncio.to_thread(self.async_llm.reset_prefix_cache)
+
+    def check_health(self) -> None:
+        """Ray Serve's health check: a replica whose engine core died is restarted."""
+        if not self.async_llm.is_alive():
+            raise RuntimeError("the engine core of this replica is not running")
+
+    async def _report_forever(self) -> None:
+        while True:
+            try:
+                await self._board.report.remote(self.replica_id, self.metrics_logger.render().decode())
+            except Exception:  # noqa: BLE001 - the board restarting must not stop the engine
+                logger.warning("could not report to the replica board", exc_info=True)
+            await asyncio.sleep(REPORT_PERIOD_S)
+
+    def __del__(self) -> None:
+        # Ray Serve calls this at shutdown, once the replica's requests have drained.
+        reporter = getattr(self, "_reporter", None)
+        if reporter is not None:
+            reporter.cancel()
+        if getattr(self, "async_llm", None) is not None:
+            self.async_llm.shutdown()

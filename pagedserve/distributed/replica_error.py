@@ -1,0 +1,28 @@
+"""ReplicaError: an engine refusal or failure, sent back through Ray as data and raised again on the ingress as
+the exception the server's routes map to a status (ValueError -> 400, QueueFullError -> 429,
+EngineDeadError -> 503). Pickling the exceptions themselves would make Ray wrap them in its own types."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pagedserve.engine.async_llm import EngineDeadError, QueueFullError
+
+_KINDS = {"invalid": ValueError, "queue_full": QueueFullError, "dead": EngineDeadError}
+
+
+@dataclass(frozen=True)
+class ReplicaError:
+    kind: str
+    message: str
+
+    @classmethod
+    def of(cls, error: Exception) -> "ReplicaError":
+        if isinstance(error, QueueFullError):
+            return cls("queue_full", str(error))
+        if isinstance(error, ValueError):
+            return cls("invalid", str(error))
+        return cls("dead", str(error))
+
+    def exception(self) -> Exception:
+        return _KINDS.get(self.kind, EngineDeadError)(self.message)

@@ -1,0 +1,172 @@
+"""The Ray app with two engine replicas and prefix routing: a shared prefix stays on the replica that cached it
+(under its own tenant only), unrelated prefixes spread, a flood spills over, limits answer as on one server, and
+a replica killed mid-run costs only the streams it had started."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+
+import httpx
+import pytest
+
+from ray_cluster import MODEL_NAME, deploy, ray, ray_port  # noqa: F401 - fixture
+from pagedserve.tenants.tenant import hash_key
+
+BLOCK = 16
+PREFIX = list(range(30, 30 + 4 * BLOCK))  # 4 full blocks
+THRESHOLD = 8
+
+
+def tenant_toml(name: str, key: str, **fields) -> str:
+    lines = [f"[tenants.{name}]", f'key_sha256 = "{hash_key(key)}"', *(f"{k} = {json.dumps(v)}"
+                                                                       for k, v in fields.items())]
+    return "\n".join(lines) + "\n\n"
+
+
+KEYS = (tenant_toml("a", "key-a") + tenant_toml("b", "key-b") + tenant_toml("ops", "key-ops", scope="admin")
+        + tenant_toml("limited", "key-limited", requests_per_minute=2))
+
+
+def auth(key: str) -> dict:
+    return {"Authorization": f"Bearer {key}"}
+
+
+@pytest.fixture(scope="module")
+def app(ray_port, tiny_llama_dir, tmp_path_factory):
+    keys = tmp_path_factory.mktemp("keys") / "keys.toml"
+    keys.write_text(KEYS)
+    app = deploy(ray_port, tiny_llama_dir, num_replicas=2, api_keys_file=str(keys), max_num_seqs=4,
+                 max_model_len=1024, router_imbalance_threshold=THRESHOLD)
+    app.admin_headers = auth("key-ops")
+    app.wait_replicas(2)
+    return app
+
+
+def complete(app, prompt: list[int], key: str = "key-a", max_tokens: int = 2, **extra) -> httpx.Response:
+    return httpx.post(app.url + "/v1/completions", headers=auth(key), timeout=120,
+                      json={"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                            **extra})
+
+
+async def complete_all(app, prompts: list[list[int]], key: str = "key-a", max_tokens: int = 2) -> list:
+    async with httpx.AsyncClient(base_url=app.url, headers=auth(key), timeout=120) as http:
+        return await asyncio.gather(*[
+            http.post("/v1/completions", json={"model": MODEL_NAME, "prompt": p, "max_tokens": max_tokens,
+                                               "temperature": 0, "ignore_eos": True}) for p in prompts])
+
+
+def replica_of(r: httpx.Response) -> str:
+    assert r.status_code == 200, r.text
+    return r.headers["x-pagedserve-replica"]
+
+
+def cached(r: httpx.Response) -> int:
+    return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def test_requests_sharing_a_prefix_land_on_the_replica_that_cached_it(app):
+    warm = complete(app, PREFIX + [7])
+    home = replica_of(warm)
+    rs = asyncio.run(complete_all(app, [PREFIX + [200 + i, 201 + i] for i in range(8)]))
+    assert {replica_of(r) for r in rs} == {home}
+    assert all(cached(r) >= 4 * BLOCK for r in rs), [cached(r) for r in rs]
+
+
+def test_the_request_id_header_comes_back_once_as_the_client_gave_it(app):
+    r = httpx.post(app.url + "/v1/completions", timeout=60, headers={**auth("key-a"), "X-Request-Id": "mine-1"},
+                   json={"model": MODEL_NAME, "prompt": [5, 6], "max_tokens": 1})
+    assert r.status_code == 200 and r.headers.get_list("x-request-id") == ["mine-1"]
+    assert r.json()["id"].endswith("mine-1")
+
+
+def test_the_same_prompt_under_another_key_shares_nothing(app):
+    complete(app, PREFIX + [9])
+    other = complete(app, PREFIX + [9], key="key-b")
+    assert cached(other) == 0
+    again = complete(app, PREFIX + [9], key="key-b")
+    assert cached(again) >= 4 * BLOCK and replica_of(again) == replica_of(other)
+
+
+def test_unrelated_prefixes_spread_over_both_replicas(app):
+    prompts = [[300 + 7 * g + i for i in range(3 * BLOCK)] for g in range(8)]
+    rs = asyncio.run(complete_all(app, [[t % 350 + 3 for t in p] for p in prompts], max_tokens=16))
+    replicas = [replica_of(r) for r in rs]
+    assert len(set(replicas)) == 2 and min(replicas.count(r) for r in set(replicas)) >= 2, replicas
+
+
+def test_a_flood_on_one_prefix_spills_over_past_the_threshold(app):
+    prompt = list(range(100, 100 + 4 * BLOCK))
+    home = replica_of(complete(app, prompt + [1]))
+    rs = asyncio.run(complete_all(app, [prompt + [2 + i] for i in range(3 * THRESHOLD)], max_tokens=64))
+    replicas = [replica_of(r) for r in rs]
+    assert replicas.count(home) > THRESHOLD, replicas  # the prefix's replica takes its share first ...
+    assert len(set(replicas)) == 2, replicas            # ... and the rest spills to the other one
+
+
+def test_rate_limits_answer_429_as_on_one_server(app):
+    for _ in range(2):
+        assert complete(app, [5, 6, 7], key="key-limited", max_tokens=1).status_code == 200
+    r = complete(app, [5, 6, 7], key="key-limited", max_tokens=1)
+    error = r.json()["error"]
+    assert r.status_code == 429 and (error["type"], error["code"]) == ("requests", "rate_limit_exceeded")
+    assert int(r.headers["retry-after"]) >= 1 and r.headers["x-ratelimit-remaining-requests"] == "0"
+
+
+def test_a_user_key_may_not_reset_the_prefix_caches_and_an_admin_key_resets_all(app):
+    assert httpx.post(app.url + "/reset_prefix_cache", headers=auth("key-a"), timeout=30).status_code == 403
+    assert httpx.post(app.url + "/reset_prefix_cache", headers=auth("key-ops"), timeout=30).status_code == 200
+    assert cached(complete(app, PREFIX + [7])) == 0
+
+
+def test_the_ingress_metrics_label_each_replica(app):
+    text = httpx.get(app.url + "/metrics", headers=auth("key-ops"), timeout=30).text
+    assert len(app.reporting_replicas()) == 2
+    assert 'pagedserve:tenant_requests_total{model_name="tiny",status="200",tenant="a"}' in text or \
+        'tenant="a"' in text
+    assert "http_requests_total" in text and 'replica="' in text
+
+
+def stream_events(app, prompt: list[int], seen_first: threading.Event, out: list) -> None:
+    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 700, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    events = []
+    try:
+        with httpx.stream("POST", app.url + "/v1/completions", json=body, headers=auth("key-a"),
+                          timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data:"):
+                    events.append(line[5:].strip())
+                    seen_first.set()
+        out.append((r.status_code, r.headers.get("x-pagedserve-replica"), events))
+    except Exception as e:  # noqa: BLE001 - recorded, the test looks at it
+        out.append((None, None, [repr(e)]))
+
+
+def test_killing_a_replica_fails_only_the_streams_it_had_started(app):
+    prompt = list(range(200, 200 + 2 * BLOCK))
+    victim = replica_of(complete(app, prompt + [1]))
+    results: list = []
+    first = threading.Event()
+    threads = [threading.Thread(target=stream_events, args=(app, prompt + [5 + i], first, results))
+               for i in range(8)]  # 4 run (max_num_seqs=4), 4 wait on the same replica
+    for t in threads:
+        t.start()
+    assert first.wait(60)
+    time.sleep(0.5)
+    ray.kill(app.replica_actor(victim), no_restart=True)
+    for t in threads:
+        t.join(120)
+    assert len(results) == 8
+    failed = [ev for status, _, ev in results if any('"error"' in e for e in ev)]
+    done = [ev for status, replica, ev in results if status == 200 and ev and ev[-1] == "[DONE]"
+            and not any('"error"' in e for e in ev)]
+    assert len(failed) + len(done) == 8, results
+    assert 1 <= len(failed) <= 4  # the started ones: each ends with an error event, then [DONE]
+    assert all(ev[-1] == "[DONE]" and "died" in ev[-2] for ev in failed)
+    assert len(done) >= 4  # every request that had not started ran again elsewhere, to the end
+    assert all(json.loads(ev[-2])["choices"][0]["finish_reason"] == "length" for ev in done)
+    app.wait_replicas(2)  # Ray replaces the dead replica
+    assert complete(app, [5, 6, 7]).status_code == 200
