@@ -40,6 +40,14 @@ class RequestResult:
     usage: Optional[dict] = None
 
     @property
+    def cached_tokens(self) -> Optional[int]:
+        """Prompt tokens the server says came from its prefix cache (usage.prompt_tokens_details); None when it
+        does not say."""
+        details = (self.usage or {}).get("prompt_tokens_details") or {}
+        value = details.get("cached_tokens")
+        return None if value is None else int(value)
+
+    @property
     def tpot(self) -> Optional[float]:
         if not self.success or self.output_tokens <= 1:
             return None
@@ -121,6 +129,9 @@ def compute_metrics(results: list[RequestResult], duration: float, percentiles: 
         "total_token_throughput": per_s(total_in + total_out),
         "max_concurrent_requests": peak_concurrency(results),
     }
+    cached = [r.cached_tokens for r in ok if r.cached_tokens is not None]
+    out["total_cached_tokens"] = sum(cached) if cached else None
+    out["cached_token_share"] = sum(cached) / total_in if cached and total_in else None
     buckets: dict[int, float] = {}
     for r in ok:
         for t, n in token_times(r):

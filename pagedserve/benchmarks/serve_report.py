@@ -45,6 +45,8 @@ def print_report(result: dict, metrics: list[str], percentiles: list[float], out
     row("Output token throughput (tok/s):", result["output_throughput"])
     row("Peak output token throughput (tok/s):", float(result["max_output_tokens_per_s"]))
     row("Total token throughput (tok/s):", result["total_token_throughput"])
+    if result.get("cached_token_share") is not None:
+        row("Prompt tokens from the prefix cache (%):", 100 * result["cached_token_share"])
     for m in metrics:
         section(TITLES[m])
         row(f"Mean {m.upper()} (ms):", result[f"mean_{m}_ms"])

@@ -70,7 +70,8 @@ class RayConfig:
             "min_replicas": self.autoscale_min, "max_replicas": self.autoscale_max,
             "initial_replicas": min(max(self.num_replicas, self.autoscale_min), self.autoscale_max),
             "target_ongoing_requests": self.max_num_seqs + self.autoscale_target_waiting,
-            "upscale_delay_s": 5.0, "downscale_delay_s": 60.0}}
+            "metrics_interval_s": 2.0, "look_back_period_s": 10.0, "upscale_delay_s": 5.0,
+            "downscale_delay_s": 60.0}}
 
 
 def check_ray_args(args: argparse.Namespace) -> None:
@@ -162,16 +163,22 @@ def serve_on_ray(args: argparse.Namespace) -> int:
     RayConfig.from_args(args)  # flag errors before the cluster starts
     ray.init(address=args.ray_address, include_dashboard=False, log_to_driver=True)
     stop = threading.Event()
+    # Ours, not the handler ray.init installed (which tears the node down at once), and before Serve's proxy
+    # answers: a SIGTERM at any point from here on drains.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    signal.signal(signal.SIGHUP, lambda *_: threading.Thread(target=_reload_keys, daemon=True).start())
     try:
         serve.start(http_options={"host": args.host, "port": args.port})
         serve.run(build_app(args), name=APP_NAME, route_prefix="/", blocking=False)
         logger.info("pagedserve is ready on Ray Serve: http://%s:%d/v1 (%d engine replica(s), router %s)",
                     args.host, args.port, args.num_replicas, args.router)
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: stop.set())
-        signal.signal(signal.SIGHUP, lambda *_: threading.Thread(target=_reload_keys, daemon=True).start())
         stop.wait()
-        logger.info("shutting down: draining the replicas")
+        logger.info("shutting down: waiting up to %.0f s for the requests in flight", args.shutdown_timeout)
+        left = serve.get_app_handle(APP_NAME).drain.remote(args.shutdown_timeout).result(
+            timeout_s=args.shutdown_timeout + 30)
+        if left:
+            logger.warning("%d request(s) still running after --shutdown-timeout: cancelled", left)
     finally:
         serve.shutdown()
         ray.shutdown()

@@ -3,6 +3,8 @@ and streaming) over a RemoteEngine, and its /metrics adds the replicas' metrics 
 
 from __future__ import annotations
 
+import asyncio
+
 from ray import serve
 
 from pagedserve.config import EngineConfig
@@ -10,6 +12,7 @@ from pagedserve.distributed.metrics_merge import merge_metrics
 from pagedserve.distributed.remote_engine import RemoteEngine
 from pagedserve.entrypoints.engine_args import engine_kwargs
 from pagedserve.entrypoints.openai.api_server import build_app, server_config
+from pagedserve.entrypoints.openai.errors import error_response
 from pagedserve.metrics.prometheus import PrometheusStatLogger
 
 
@@ -30,11 +33,17 @@ class OpenAIIngress:
 
         self.asgi_app = build_app(self.engine, self.args, metrics=metrics, render_metrics=render_metrics)
         self.engine.start_watching()
-        return _WithoutOwnRequestIdHeader(self.asgi_app)
+        self.edge = IngressEdge(self.asgi_app)
+        return self.edge
 
     def reload_keys(self) -> bool:
         """Re-read the keys file (what SIGHUP on `pagedserve serve --ray` calls)."""
         return self.asgi_app.state.reload_keys()
+
+    async def drain(self, timeout: float) -> int:
+        """Stop taking requests and wait for those in flight (what `pagedserve serve --ray` does on SIGTERM
+        before Serve shuts down); the number still running after `timeout` seconds."""
+        return await self.edge.drain(timeout)
 
     def __del__(self) -> None:
         engine = getattr(self, "engine", None)
@@ -42,16 +51,25 @@ class OpenAIIngress:
             engine.shutdown()
 
 
-class _WithoutOwnRequestIdHeader:
-    """Ray Serve's proxy puts the request id in the request's X-Request-Id (the client's, or one it makes) and
-    adds it to every response itself: the gate's copy of the same header would make it appear twice."""
+class IngressEdge:
+    """What the ingress adds around the app. It counts the HTTP requests in flight, so that a shutdown can wait
+    for them (`drain`), and refuses new ones with a 503 once draining. And it drops the gate's X-Request-Id:
+    Ray Serve's proxy puts the request id in the request (the client's, or one it makes) and adds it to every
+    response itself, so the gate's copy of the same header would make it appear twice."""
 
     def __init__(self, app) -> None:
         self.app = app
+        self.in_flight = 0
+        self.draining = False
+        self._idle = asyncio.Event()
+        self._idle.set()
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        if self.draining:
+            return await error_response("the server is shutting down", 503, code="shutting_down")(scope, receive,
+                                                                                               send)
 
         async def send_once(message) -> None:
             if message["type"] == "http.response.start":
@@ -59,4 +77,20 @@ class _WithoutOwnRequestIdHeader:
                                                   if k.lower() != b"x-request-id"]}
             await send(message)
 
-        await self.app(scope, receive, send_once)
+        self.in_flight += 1
+        self._idle.clear()
+        try:
+            await self.app(scope, receive, send_once)
+        finally:
+            self.in_flight -= 1
+            if self.in_flight == 0:
+                self._idle.set()
+
+    async def drain(self, timeout: float) -> int:
+        """Refuse new requests and wait up to `timeout` seconds for those in flight; how many are left."""
+        self.draining = True
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        except asyncio.TimeoutError:
+            pass
+        return self.in_flight

@@ -219,6 +219,11 @@ def test_goodput_parsing_and_metrics_on_hand_made_results():
     assert m["mean_tpot_ms"] == pytest.approx(50)  # (0.3 - 0.1) / 4; the 1-token request has no TPOT
     assert m["p99_itl_ms"] == pytest.approx(50) and m["mean_e2el_ms"] == pytest.approx(250)
     assert m["request_goodput"] == 0.5 and m["max_concurrent_requests"] == 2
+    assert m["total_cached_tokens"] is None and m["cached_token_share"] is None  # no usage details: unknown
+    results[0].usage = {"prompt_tokens_details": {"cached_tokens": 5}}
+    results[1].usage = {"prompt_tokens_details": None}
+    m = serve_metrics.compute_metrics(results, 2.0, [50], {}, start=0.0)
+    assert m["total_cached_tokens"] == 5 and m["cached_token_share"] == 5 / 20
 
 
 def test_server_metrics_parsing_pagedserve_and_vllm_names():

@@ -64,7 +64,9 @@ class RayApp:
     def wait_replicas(self, count: int, timeout: float = 120.0) -> None:
         deadline = time.monotonic() + timeout
         while self.running_replicas() != count or len(self.reporting_replicas()) != count:
-            assert time.monotonic() < deadline, f"the app did not get back to {count} replica(s)"
+            assert time.monotonic() < deadline, (f"the app did not get to {count} replica(s): Serve says "
+                                                 f"{serve.status().applications[APP_NAME].deployments}, /metrics "
+                                                 f"has {self.reporting_replicas()}")
             time.sleep(0.5)
 
     def reporting_replicas(self) -> set[str]:

@@ -1,0 +1,68 @@
+"""`pagedserve serve --ray` as a user runs it: it starts a local Ray cluster, serves on --port, and on SIGTERM
+lets the streams in flight finish (every replica drains) before it exits 0."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+pytest.importorskip("ray", reason="the Ray tests need ray[serve] (pip install 'pagedserve[ray]')")
+
+FLAGS = ["--dtype", "float32", "--kv-cache-memory-bytes", str(1 << 23), "--max-model-len", "256",
+         "--served-model-name", "tiny"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(proc: subprocess.Popen, url: str, timeout: float = 180.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        assert proc.poll() is None and time.monotonic() < deadline, "the Ray app did not start"
+        try:
+            if httpx.get(url + "/health", timeout=5).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
+
+
+def test_sigterm_drains_the_streams_in_flight_and_exits_0(tiny_llama_dir):
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "pagedserve.entrypoints.cli", "serve", "--ray", "--num-replicas",
+                             "2", "--model", tiny_llama_dir, "--port", str(port), *FLAGS],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(proc, url)
+        lines = []
+        with httpx.stream("POST", url + "/v1/completions", timeout=60,
+                          json={"prompt": "Hello", "max_tokens": 200, "temperature": 0, "ignore_eos": True,
+                                "stream": True}) as r:
+            it = r.iter_lines()
+            lines.append(next(line for line in it if line.startswith("data:")))
+            proc.send_signal(signal.SIGTERM)
+            lines += [line for line in it if line.startswith("data:")]
+        assert lines[-1] == "data: [DONE]"
+        assert json.loads(lines[-2][6:])["choices"][0]["finish_reason"] == "length"
+        assert proc.wait(90) == 0
+        out = proc.stdout.read().decode()
+        assert f"pagedserve is ready on Ray Serve: http://127.0.0.1:{port}/v1 (2 engine replica(s)" in out
+        with pytest.raises(httpx.TransportError):
+            httpx.get(url + "/health", timeout=5)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
