@@ -76,6 +76,8 @@ def routing_rows(args) -> list[tuple[str, str, str, dict]]:
         for cache in ("default", "small"):
             for router in ("round-robin", "prefix"):
                 flags = ["--ray", "--num-replicas", "2", "--router", router]
+                if router == "prefix" and args.imbalance_threshold is not None:
+                    flags += ["--router-imbalance-threshold", str(args.imbalance_threshold)]
                 if cache == "small":
                     flags += ["--kv-cache-memory-bytes", str(small_cache_bytes)]
                 result, per_token = run(args, f"{router}_{cache}_{round_}", flags, prefix_load(args),
@@ -95,12 +97,21 @@ def overhead_rows(args) -> list[tuple[str, str, dict]]:
     rows = []
     for round_ in range(1, args.rounds + 1):
         rows.append(("pagedserve serve", str(round_), run(args, f"single_{round_}", [], load)[0]))
+        # The replica gets every core, as the single server's engine does (Ray gives an actor one thread per CPU).
         rows.append(("pagedserve serve --ray --num-replicas 1", str(round_),
-                     run(args, f"ray1_{round_}", ["--ray", "--num-replicas", "1"], load)[0]))
+                     run(args, f"ray1_{round_}", ["--ray", "--num-replicas", "1", "--ray-cpus-per-replica",
+                                                  str(os.cpu_count())], load)[0]))
     return rows
 
 
 def report(args, routing: list, overhead: list) -> None:
+    if routing:
+        routing_report(routing)
+    if overhead:
+        overhead_report(overhead)
+
+
+def routing_report(routing: list) -> None:
     print(f"\n## Prefix routing vs round-robin ({cpu_kind()})\n")
     print("| router | cache | round | prompt tokens from cache | TTFT p50 (ms) | TTFT p99 (ms) | output tok/s |")
     print("|---|---|---|---|---|---|---|")
@@ -114,6 +125,9 @@ def report(args, routing: list, overhead: list) -> None:
         ratios = [rr["median_ttft_ms"] / px["median_ttft_ms"] for rr, px in pairs]
         print(f"\nTTFT p50, round-robin / prefix, {cache} cache: "
               + ", ".join(f"{x:.2f}x" for x in ratios) + f" (median {statistics.median(ratios):.2f}x)")
+
+
+def overhead_report(overhead: list) -> None:
     print("\n## The ingress's cost: one request at a time\n")
     print("| server | round | TTFT p50 (ms) | TTFT p99 (ms) | E2E p50 (ms) |")
     print("|---|---|---|---|---|")
@@ -143,6 +157,9 @@ def main() -> None:
     p.add_argument("--small-cache-fraction", type=float, default=0.75,
                    help="the small cache holds this share of all the groups' tokens, per replica")
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--imbalance-threshold", type=int, default=None,
+                   help="--router-imbalance-threshold of the prefix runs (default: the server's)")
+    p.add_argument("--parts", default="routing,overhead", help="which comparisons to run")
     p.add_argument("--overhead-prompts", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--start-timeout", type=float, default=300)
@@ -150,7 +167,9 @@ def main() -> None:
     args = p.parse_args()
     os.makedirs(args.output_dir, exist_ok=True)
     print(f"CPU: {cpu_kind()}", flush=True)
-    report(args, routing_rows(args), overhead_rows(args))
+    parts = args.parts.split(",")
+    report(args, routing_rows(args) if "routing" in parts else [],
+           overhead_rows(args) if "overhead" in parts else [])
 
 
 if __name__ == "__main__":

@@ -55,3 +55,23 @@ def test_serve_run_style_arguments_parse_like_the_command_line():
     assert serve_args({"api_key": ["k1", "k2"]}).api_key == ["k1", "k2"]  # a repeated flag
     with pytest.raises(ValueError, match="bad pagedserve serve arguments"):
         serve_args({"no_such_flag": "1"})
+
+
+def test_the_example_serve_config_and_rayservice_build_the_app():
+    import os
+
+    import yaml
+
+    pytest.importorskip("ray", reason="building the Ray app needs ray[serve]")
+    from pagedserve.ray import build_app
+
+    root = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "ray")
+    with open(os.path.join(root, "serve_config.yaml")) as f:
+        [config] = yaml.safe_load(f)["applications"]
+    with open(os.path.join(root, "rayservice.yaml")) as f:
+        [service] = yaml.safe_load(yaml.safe_load(f)["spec"]["serveConfigV2"])["applications"]
+    for app in (config, service):
+        assert app["import_path"] == "pagedserve.ray:build_app" and app["route_prefix"] == "/"
+        args = serve_args(app["args"])
+        assert (args.num_replicas, args.router, args.ray_cpus_per_replica) == (2, "prefix", 2.0)
+        assert build_app(app["args"]) is not None  # the application graph builds (nothing runs until deployed)
