@@ -21,7 +21,7 @@ from pagedserve.config import EngineConfig
 from pagedserve.distributed.prefix_index import routing_hashes
 from pagedserve.distributed.replica_board import REPORT_PERIOD_S
 from pagedserve.distributed.replica_error import ReplicaError
-from pagedserve.engine.async_llm import EngineDeadError, front_end_input_processor
+from pagedserve.engine.async_llm import CoreFacts, EngineDeadError, front_end_input_processor
 from pagedserve.engine.core_output import CoreInfo
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
@@ -32,7 +32,7 @@ REPLICA_GONE = (RayActorError, ActorUnavailableError)
 MAX_ATTEMPTS = 3
 
 
-class RemoteEngine:
+class RemoteEngine(CoreFacts):
     def __init__(self, engine, board, config: EngineConfig, info: CoreInfo) -> None:
         from pagedserve.loader.model_loader import load_tokenizer
 
@@ -53,14 +53,6 @@ class RemoteEngine:
         remote = cls(engine, board, config, info)
         await remote.refresh()
         return remote
-
-    @property
-    def max_model_len(self) -> int:
-        return self.info.max_model_len
-
-    @property
-    def vocab_size(self) -> int:
-        return self.info.vocab_size
 
     def is_alive(self) -> bool:
         """Whether any replica has reported within the board's window."""

@@ -66,7 +66,21 @@ def front_end_input_processor(config: EngineConfig, tokenizer, info: CoreInfo) -
                           config.scheduler_config.scheduling_policy, config.lora_config.enable_lora)
 
 
-class AsyncLLM:
+class CoreFacts:
+    """What a front end reads off its core's CoreInfo (`self.info`): AsyncLLM and distributed.RemoteEngine."""
+
+    info: CoreInfo
+
+    @property
+    def max_model_len(self) -> int:
+        return self.info.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.info.vocab_size
+
+
+class AsyncLLM(CoreFacts):
     def __init__(self, config: EngineConfig, max_num_queued_requests: Optional[int] = None,
                  stat_loggers: Optional[list[StatLogger]] = None) -> None:
         if max_num_queued_requests is not None and max_num_queued_requests < 0:
@@ -99,14 +113,6 @@ class AsyncLLM:
     @classmethod
     def from_kwargs(cls, max_num_queued_requests: Optional[int] = None, **engine_kwargs) -> "AsyncLLM":
         return cls(EngineConfig.from_kwargs(**engine_kwargs), max_num_queued_requests)
-
-    @property
-    def max_model_len(self) -> int:
-        return self.info.max_model_len
-
-    @property
-    def vocab_size(self) -> int:
-        return self.info.vocab_size
 
     def is_alive(self) -> bool:
         return self._dead_reason is None and not self._shutting_down and self._client.is_alive()
