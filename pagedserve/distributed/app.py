@@ -76,8 +76,11 @@ class RayConfig:
 
 def check_ray_args(args: argparse.Namespace) -> None:
     """What --ray does not serve yet, refused before anything starts."""
-    if getattr(args, "enable_lora", False) or getattr(args, "allow_runtime_lora_updating", False):
-        raise ValueError("--ray does not serve LoRA adapters yet: run without --enable-lora/--lora-modules")
+    if getattr(args, "allow_runtime_lora_updating", False):
+        raise ValueError("--ray serves the --lora-modules given at start (every replica loads them); it has no "
+                         "--allow-runtime-lora-updating yet")
+    if getattr(args, "lora_modules", None) and not getattr(args, "enable_lora", False):
+        raise ValueError("--lora-modules needs --enable-lora")
     if getattr(args, "ssl_keyfile", None) or getattr(args, "ssl_certfile", None):
         raise ValueError("--ray serves plain HTTP (Ray Serve's proxy): terminate TLS in front of it")
 
@@ -111,7 +114,8 @@ def build_app(args: Union[argparse.Namespace, dict, None] = None, **overrides):
             request_router_kwargs={"policy": router.policy, "imbalance_threshold": router.imbalance_threshold,
                                    "index_capacity": router.index_capacity}),
         **ray_config.scaling_options(),
-    ).bind(engine_kwargs(args), args.max_num_queued_requests, server_config(args).served_model_names[0], board)
+    ).bind(engine_kwargs(args), args.max_num_queued_requests, server_config(args).served_model_names[0], board,
+           list(args.lora_modules or []))
     return serve.deployment(OpenAIIngress, name="OpenAIIngress", ray_actor_options={"num_cpus": 0},
                             max_ongoing_requests=1 << 16, graceful_shutdown_timeout_s=ray_config.shutdown_timeout,
                             logging_config=quiet,

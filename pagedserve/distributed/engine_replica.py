@@ -13,17 +13,22 @@ from ray import serve
 from pagedserve.distributed.replica_board import REPORT_PERIOD_S
 from pagedserve.distributed.replica_error import ReplicaError
 from pagedserve.engine.async_llm import AsyncLLM, EngineDeadError, QueueFullError
+from pagedserve.entrypoints.openai.lora_modules import LoRAModules
 from pagedserve.metrics.prometheus import PrometheusStatLogger
 
 logger = logging.getLogger(__name__)
 
 
 class EngineReplica:
-    def __init__(self, engine_kwargs: dict, max_num_queued_requests: Optional[int], model_name: str,
-                 board) -> None:
+    def __init__(self, engine_kwargs: dict, max_num_queued_requests: Optional[int], model_name: str, board,
+                 lora_modules: Optional[list] = None) -> None:
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.async_llm = AsyncLLM.from_kwargs(max_num_queued_requests=max_num_queued_requests, **engine_kwargs)
-        self.metrics_logger = PrometheusStatLogger(model_name)
+        lora = self.async_llm.config.lora_config
+        # Every replica loads the same adapters in the same order: the same ids as the ingress gives them.
+        self.loras = LoRAModules(self.async_llm, [model_name], lora.enable_lora)
+        self.loras.load_at_start(list(lora_modules or []))
+        self.metrics_logger = PrometheusStatLogger(model_name, max_loras=lora.max_loras if lora.enable_lora else None)
         self.metrics_logger.log_cache_config(self.async_llm.info)
         self.async_llm.stat_loggers.append(self.metrics_logger)
         self._board = board
@@ -33,6 +38,10 @@ class EngineReplica:
     def info(self):
         """The CoreInfo of this replica's core (every replica has the same model and cache settings)."""
         return self.async_llm.info
+
+    def lora_requests(self) -> list:
+        """The LoRARequests of the adapters this replica loaded at start."""
+        return [self.loras.get(name) for name in self.loras.names]
 
     async def generate(self, prompt, params, request_id: str, priority: int = 0, tenant: Optional[str] = None,
                        lora_request=None, routing=None):

@@ -25,7 +25,9 @@ class OpenAIIngress:
 
     async def __serve_build_asgi_app__(self):
         config = server_config(self.args)
-        metrics = PrometheusStatLogger(config.served_model_names[0], max_tenants=config.max_metric_tenants)
+        lora = self.engine.config.lora_config
+        metrics = PrometheusStatLogger(config.served_model_names[0], max_tenants=config.max_metric_tenants,
+                                       max_loras=lora.max_loras if lora.enable_lora else None)
 
         async def render_metrics() -> bytes:
             replicas = await self.engine.replica_metrics()

@@ -45,12 +45,15 @@ class RemoteEngine(CoreFacts):
         self.replicas: dict[str, str] = {}
         """Replica id -> its last metrics text, from the board (refreshed by `watch`)."""
         self._watcher: Optional[asyncio.Task] = None
+        self.replica_loras: list = []
+        """The adapters every replica loads at start (--lora-modules), as LoRARequests."""
 
     @classmethod
     async def connect(cls, engine, board, config: EngineConfig) -> "RemoteEngine":
         """Ask a replica what the core looks like, then build the front end for it."""
         info = await engine.info.remote()
         remote = cls(engine, board, config, info)
+        remote.replica_loras = await engine.lora_requests.remote()
         await remote.refresh()
         return remote
 
@@ -124,6 +127,19 @@ class RemoteEngine(CoreFacts):
 
         replicas = sorted(reports)
         return dict(zip(replicas, await asyncio.gather(*(ask(r) for r in replicas))))
+
+    def add_lora(self, lora_request, timeout: float = 60.0) -> bool:
+        """The ingress's LoRAModules adding a --lora-modules adapter: the replicas loaded it at start, with the same
+        id (ValueError for any other adapter: no runtime loading through Ray yet)."""
+        for loaded in self.replica_loras:
+            if (loaded.lora_name, loaded.lora_int_id, loaded.lora_path) == (
+                    lora_request.lora_name, lora_request.lora_int_id, lora_request.lora_path):
+                return True
+        raise ValueError(f"LoRA adapter `{lora_request.lora_name}` is not among the replicas' --lora-modules "
+                         "(with --ray, adapters are loaded at start only)")
+
+    def remove_lora(self, lora_int_id: int, timeout: float = 10.0) -> bool:
+        raise ValueError("with --ray, adapters stay loaded for the life of the app")
 
     def reset_prefix_cache(self, timeout: float = 10.0) -> bool:
         """Reset every live replica's prefix cache (called off the event loop); False if any still holds

@@ -41,8 +41,11 @@ def test_bad_ray_flags_are_refused_with_the_flag_named(flags, match):
 
 
 def test_what_ray_does_not_serve_yet_is_refused_before_start():
-    with pytest.raises(ValueError, match="LoRA"):
-        check_ray_args(parse("--enable-lora"))
+    check_ray_args(parse("--enable-lora", "--lora-modules", "a=/adapters/a"))  # adapters loaded at start: served
+    with pytest.raises(ValueError, match="allow-runtime-lora-updating"):
+        check_ray_args(parse("--enable-lora", "--allow-runtime-lora-updating"))
+    with pytest.raises(ValueError, match="needs --enable-lora"):
+        check_ray_args(parse("--lora-modules", "a=/adapters/a"))
     with pytest.raises(ValueError, match="TLS"):
         check_ray_args(parse("--ssl-keyfile", "k.pem", "--ssl-certfile", "c.pem"))
 
