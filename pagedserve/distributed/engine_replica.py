@@ -44,9 +44,9 @@ class EngineReplica:
         return [self.loras.get(name) for name in self.loras.names]
 
     async def generate(self, prompt, params, request_id: str, priority: int = 0, tenant: Optional[str] = None,
-                       lora_request=None, routing=None):
+                       lora_request=None, routing=None, avoid=None, call_id=None):
         """AsyncLLM.generate's deltas; the first names this replica. A refusal or an engine failure arrives
-        as a ReplicaError item (the last). `routing` is the router's, unused here."""
+        as a ReplicaError item (the last). `routing`, `avoid` and `call_id` are the router's, unused here."""
         first = True
         try:
             async for output in self.async_llm.generate(prompt, params, request_id, priority=priority,
@@ -55,13 +55,13 @@ class EngineReplica:
                     output.replica, first = self.replica_id, False
                 yield output
         except (ValueError, QueueFullError, EngineDeadError) as e:
-            yield ReplicaError.of(e)
+            yield ReplicaError.of(e, self.replica_id)
 
-    def metrics(self, replica: Optional[str] = None) -> str:
-        """This replica's metrics now (`replica` pins the call here, see the router)."""
-        return self.metrics_logger.render().decode()
+    def metrics(self) -> tuple[str, str]:
+        """(this replica's id, its metrics text now): what the ingress's broadcast collects."""
+        return self.replica_id, self.metrics_logger.render().decode()
 
-    async def reset_prefix_cache(self, replica: Optional[str] = None) -> bool:
+    async def reset_prefix_cache(self) -> bool:
         return await asyncio.to_thread(self.async_llm.reset_prefix_cache)
 
     def check_health(self) -> None:
@@ -82,5 +82,6 @@ class EngineReplica:
         reporter = getattr(self, "_reporter", None)
         if reporter is not None:
             reporter.cancel()
+            self._board.leave.remote(self.replica_id)  # off /health and /metrics now, not 5 s later
         if getattr(self, "async_llm", None) is not None:
             self.async_llm.shutdown()

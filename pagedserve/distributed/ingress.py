@@ -31,7 +31,7 @@ class OpenAIIngress:
 
         async def render_metrics() -> bytes:
             replicas = await self.engine.replica_metrics()
-            return merge_metrics(metrics.render().decode(), replicas).encode()
+            return merge_metrics(metrics.render().decode(), replicas)
 
         self.asgi_app = build_app(self.engine, self.args, metrics=metrics, render_metrics=render_metrics)
         self.engine.start_watching()

@@ -4,8 +4,9 @@ with its `replica`. A family appears once, with the samples of every replica und
 
 from __future__ import annotations
 
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
-from prometheus_client.utils import floatToGoString
 
 INGRESS_FAMILIES = frozenset({"http_requests", "pagedserve:tenant_requests", "pagedserve:tenant_prompt_tokens",
                               "pagedserve:tenant_generation_tokens", "pagedserve:rate_limited_requests",
@@ -13,42 +14,33 @@ INGRESS_FAMILIES = frozenset({"http_requests", "pagedserve:tenant_requests", "pa
 """Families whose samples the ingress counts; a replica's copies of them stay at zero and are left out."""
 
 
-def merge_metrics(ingress_text: str, replica_texts: dict[str, str]) -> str:
-    """One Prometheus text exposition out of the ingress's own and the replicas' (replica id -> text)."""
-    families: dict[str, tuple[str, str, list[str]]] = {}
+def merge_metrics(ingress_text: str, replica_texts: dict[str, str]) -> bytes:
+    """One Prometheus text exposition out of the ingress's own and the replicas' (replica id -> text), written by
+    prometheus-client itself (so counters keep their `_total` names in HELP and TYPE)."""
+    families: dict[str, Metric] = {}
 
     def add(text: str, replica=None) -> None:
         for family in text_string_to_metric_families(text):
             if (family.name in INGRESS_FAMILIES) != (replica is None):
                 continue
-            entry = families.setdefault(family.name, (family.type, family.documentation, []))
+            merged = families.get(family.name)
+            if merged is None:
+                merged = families[family.name] = Metric(family.name, family.documentation, family.type)
             for sample in family.samples:
-                labels = dict(sample.labels)
-                if replica is not None:
-                    labels["replica"] = replica
-                entry[2].append(_sample_line(sample.name, labels, sample.value))
+                labels = dict(sample.labels) if replica is None else {**sample.labels, "replica": replica}
+                merged.add_sample(sample.name, labels, sample.value)
 
     add(ingress_text)
     for replica in sorted(replica_texts):
         add(replica_texts[replica], replica)
-    lines = []
-    for name, (kind, doc, samples) in families.items():
-        lines.append(f"# HELP {name} {_escape_help(doc)}")
-        lines.append(f"# TYPE {name} {kind}")
-        lines.extend(samples)
-    return "\n".join(lines) + "\n"
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Families(list(families.values())))
+    return generate_latest(registry)
 
 
-def _sample_line(name: str, labels: dict[str, str], value: float) -> str:
-    if not labels:
-        return f"{name} {floatToGoString(value)}"
-    pairs = ",".join(f'{k}="{_escape_label(v)}"' for k, v in labels.items())
-    return f"{name}{{{pairs}}} {floatToGoString(value)}"
+class _Families:
+    def __init__(self, families: list) -> None:
+        self.families = families
 
-
-def _escape_label(value: str) -> str:
-    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
-
-
-def _escape_help(doc: str) -> str:
-    return doc.replace("\\", "\\\\").replace("\n", "\\n")
+    def collect(self):
+        return self.families

@@ -35,8 +35,9 @@ class PrefixIndex:
     def __len__(self) -> int:
         return len(self._holders)
 
-    def insert(self, hashes: Sequence[bytes], replica: str) -> None:
-        """Remember that `replica` now holds the chain `hashes`."""
+    def insert(self, hashes: Sequence[bytes], replica: str) -> list[bytes]:
+        """Remember that `replica` now holds the chain `hashes`; returns the hashes it did not hold before."""
+        added = []
         # Last block first, so that a chain's head is the most recently used: LRU forgets tails before heads,
         # and a remembered run always starts at the first block.
         for h in reversed(hashes):
@@ -45,9 +46,12 @@ class PrefixIndex:
                 holders = self._holders[h] = set()
             else:
                 self._holders.move_to_end(h)
-            holders.add(replica)
+            if replica not in holders:
+                holders.add(replica)
+                added.append(h)
         while len(self._holders) > self.capacity:
             self._holders.popitem(last=False)
+        return added
 
     def match(self, hashes: Sequence[bytes], replicas: Iterable[str]) -> dict[str, int]:
         """For each replica, how many leading blocks of `hashes` it holds."""
@@ -63,6 +67,19 @@ class PrefixIndex:
             for r in remaining:
                 matched[r] = n + 1
         return matched
+
+    def remove(self, hashes: Sequence[bytes], replica: str) -> None:
+        """Forget that `replica` holds the chain `hashes` (it was remembered too early)."""
+        for h in hashes:
+            holders = self._holders.get(h)
+            if holders is not None:
+                holders.discard(replica)
+                if not holders:
+                    del self._holders[h]
+
+    def replicas(self) -> set[str]:
+        """Every replica that holds some chain."""
+        return set().union(*self._holders.values()) if self._holders else set()
 
     def drop_replica(self, replica: str) -> None:
         """Forget everything a replica held (it died: its cache went with it)."""

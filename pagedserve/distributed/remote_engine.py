@@ -11,11 +11,13 @@ client, the stream ends with EngineDeadError, which the routes turn into an erro
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import uuid
 from typing import AsyncIterator, Optional
 
-from ray.exceptions import ActorUnavailableError, RayActorError
+from ray.exceptions import RayError
+from ray.serve.exceptions import RayServeException
 
 from pagedserve.config import EngineConfig
 from pagedserve.distributed.prefix_index import routing_hashes
@@ -28,7 +30,9 @@ from pagedserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-REPLICA_GONE = (RayActorError, ActorUnavailableError)
+REPLICA_ERRORS = (RayError, RayServeException)
+"""A replica that died, became unreachable or failed in Ray's own code (never the engine's refusals: those come
+as ReplicaError items)."""
 MAX_ATTEMPTS = 3
 
 
@@ -87,46 +91,35 @@ class RemoteEngine(CoreFacts):
         hashes = routing_hashes(request.prompt_token_ids, self.info.block_size,
                                 prompt.get("cache_salt") if isinstance(prompt, dict) else None,
                                 lora_request.lora_name if lora_request is not None else None)
-        for attempt in range(1, MAX_ATTEMPTS + 1):
-            started = False
-            stream = self._streaming.generate.remote(
-                prompt, params, request_id, priority=priority, tenant=tenant, lora_request=lora_request,
-                routing=hashes)
-            finished = False
-            try:
-                async for item in stream:
-                    if isinstance(item, ReplicaError):
-                        finished = True
-                        raise item.exception()
-                    started, finished = True, item.finished
-                    yield item
+        if not self.is_alive() and not await self.refresh():
+            raise EngineDeadError("no engine replica is running")
+        call = (prompt, params, request_id, priority, tenant, lora_request, hashes)
+        avoid: list[str] = []
+        attempts = max(MAX_ATTEMPTS, len(self.replicas))
+        for attempt in range(1, attempts + 1):
+            attempt_outputs = _Attempt()
+            async with contextlib.aclosing(attempt_outputs.run(self._streaming, call, avoid)) as outputs:
+                async for output in outputs:
+                    yield output
+            if attempt_outputs.done:
                 return
-            except REPLICA_GONE as e:
-                finished = True
-                if started:
-                    raise EngineDeadError(f"the engine replica serving this request died: {e}") from None
-                logger.warning("request %s: its replica died before it started (attempt %d of %d)", request_id,
-                               attempt, MAX_ATTEMPTS)
-            finally:
-                if not finished:
-                    stream.cancel()  # the client is gone: the replica aborts the request and frees its blocks
-        raise EngineDeadError(f"no engine replica could run the request in {MAX_ATTEMPTS} attempts")
+            avoid += [attempt_outputs.failed_replica] if attempt_outputs.failed_replica else []
+            logger.info("request %s: not run (%s; attempt %d of %d)", request_id, attempt_outputs.failure, attempt,
+                        attempts)
+        raise attempt_outputs.last_error
 
     async def replica_metrics(self, timeout: float = 2.0) -> dict[str, str]:
-        """Replica id -> its metrics text, asked of each live replica now (its last report if it does not answer
-        within `timeout`)."""
-        reports = await self.refresh()
-
-        async def ask(replica: str) -> str:
-            call = self._engine.metrics.remote(replica=replica)
-            try:
-                return await asyncio.wait_for(call, timeout)
-            except Exception:  # noqa: BLE001 - a replica going away: its report is the best there is
-                call.cancel()
-                return reports[replica]
-
-        replicas = sorted(reports)
-        return dict(zip(replicas, await asyncio.gather(*(ask(r) for r in replicas))))
+        """Replica id -> its metrics text, asked of every running replica now; a replica that does not answer
+        within `timeout` is represented by its last report to the board."""
+        try:
+            answers = await self._engine.broadcast("metrics").results_async(timeout_s=timeout,
+                                                                             return_exceptions=True)
+        except TimeoutError:
+            answers = []
+        texts = dict(a for a in answers if isinstance(a, tuple))
+        for replica, text in (await self.refresh()).items():
+            texts.setdefault(replica, text)
+        return texts
 
     def add_lora(self, lora_request, timeout: float = 60.0) -> bool:
         """The ingress's LoRAModules adding a --lora-modules adapter: the replicas loaded it at start, with the same
@@ -142,11 +135,59 @@ class RemoteEngine(CoreFacts):
         raise ValueError("with --ray, adapters stay loaded for the life of the app")
 
     def reset_prefix_cache(self, timeout: float = 10.0) -> bool:
-        """Reset every live replica's prefix cache (called off the event loop); False if any still holds
-        blocks for running requests."""
-        calls = [self._engine.reset_prefix_cache.remote(replica=r) for r in list(self.replicas)]
-        return all([call.result(timeout_s=timeout) for call in calls])
+        """Reset every replica's prefix cache (called off the event loop); False if any still holds blocks for
+        running requests."""
+        return all(self._engine.broadcast("reset_prefix_cache").results(timeout_s=timeout))
 
     def shutdown(self, timeout: Optional[float] = None) -> None:
         if self._watcher is not None:
             self._watcher.cancel()
+
+
+class _Attempt:
+    """One try of a request on whichever replica the router picks. `done`: it ended (finished, or an error the
+    client must see); otherwise it failed before producing anything (`failure` says how; `last_error` is what
+    the client gets if no other try succeeds) and may be sent again: the replica died, became unreachable, its
+    engine had died, or its queue was full (another replica's may not be)."""
+
+    RETRIED = ("dead", "queue_full")
+
+    def __init__(self) -> None:
+        self.done = False
+        self.failure = ""
+        self.last_error: Exception = EngineDeadError("no engine replica could run the request")
+        self.failed_replica: Optional[str] = None
+        """The replica whose engine had died (alive to Ray until its health check fails): the next try avoids it."""
+
+    async def run(self, handle, call, avoid: list[str]) -> AsyncIterator[RequestOutput]:
+        prompt, params, request_id, priority, tenant, lora_request, hashes = call
+        # call_id: Ray's internal request id is the HTTP request's, shared by all the calls it makes (n prompts).
+        stream = handle.generate.remote(prompt, params, request_id, priority=priority, tenant=tenant,
+                                        lora_request=lora_request, routing=hashes, avoid=avoid,
+                                        call_id=uuid.uuid4().hex)
+        started = settled = False
+        try:
+            async for item in stream:
+                if isinstance(item, ReplicaError):
+                    if item.kind not in self.RETRIED or started:
+                        settled = self.done = True
+                        raise item.exception()
+                    self.failure, self.failed_replica = f"{item.kind}: {item.message}", item.replica
+                    self.last_error, settled = item.exception(), True
+                    return
+                started = True
+                yield item
+                if item.finished:
+                    settled = self.done = True
+                    return
+            settled = self.done = True  # the stream ended without a last output: the replica says no more
+        except REPLICA_ERRORS as e:
+            if started:
+                settled = self.done = True
+                raise EngineDeadError(f"the engine replica serving this request died or became unreachable "
+                                      f"({type(e).__name__})") from None
+            self.failure = type(e).__name__
+            self.last_error = EngineDeadError(f"no engine replica could run the request (last: {self.failure})")
+        finally:
+            if not settled:
+                stream.cancel()  # the client left, or the replica is unreachable: abort it there, free its blocks

@@ -5,7 +5,9 @@ EngineDeadError -> 503). Pickling the exceptions themselves would make Ray wrap 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
+from pagedserve.core.request import RequestIdInUseError
 from pagedserve.engine.async_llm import EngineDeadError, QueueFullError
 
 _KINDS = {"invalid": ValueError, "queue_full": QueueFullError, "dead": EngineDeadError}
@@ -15,14 +17,19 @@ _KINDS = {"invalid": ValueError, "queue_full": QueueFullError, "dead": EngineDea
 class ReplicaError:
     kind: str
     message: str
+    replica: Optional[str] = None
 
     @classmethod
-    def of(cls, error: Exception) -> "ReplicaError":
+    def of(cls, error: Exception, replica: Optional[str] = None) -> "ReplicaError":
+        if isinstance(error, RequestIdInUseError):
+            return cls("id_in_use", error.request_id, replica)
         if isinstance(error, QueueFullError):
-            return cls("queue_full", str(error))
+            return cls("queue_full", str(error), replica)
         if isinstance(error, ValueError):
-            return cls("invalid", str(error))
-        return cls("dead", str(error))
+            return cls("invalid", str(error), replica)
+        return cls("dead", str(error), replica)
 
     def exception(self) -> Exception:
+        if self.kind == "id_in_use":
+            return RequestIdInUseError(self.message)
         return _KINDS.get(self.kind, EngineDeadError)(self.message)

@@ -1,45 +1,69 @@
 """PagedServeRequestRouter: RoutingPolicy as a Ray Serve RequestRouter for the engine deployment.
 
-Ray Serve keeps one router per deployment handle, in the process that holds the handle (the ingress). The
-request's routing hashes travel in its call's keyword arguments (`routing=`, computed by RemoteEngine); a call
-with `replica=` goes to that replica only (the ingress's per-replica calls, e.g. a prefix-cache reset). Load
-is what this router has in flight on each replica: counted when a request is sent, uncounted when Ray reports
-it complete, whatever its outcome.
+Ray Serve keeps one router per deployment handle, in the process that holds the handle (the ingress). What the
+router needs travels in the call's keyword arguments, from RemoteEngine: `routing=` (the prompt's block hashes),
+`avoid=` (replicas that failed this request before), `call_id=` (one per try). Load is what this router has in
+flight on each replica: counted when a request is sent, uncounted when Ray reports it complete, whatever its
+outcome. Calls to every replica (metrics, prefix-cache resets) are Serve broadcasts and never pass through here.
 """
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, OrderedDict
 from typing import List, Optional
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from pagedserve.distributed.routing_policy import RouterConfig, RoutingPolicy
 
+MAX_REMEMBERED_CHOICES = 1 << 14
+
 
 class PagedServeRequestRouter(FIFOMixin, RequestRouter):
+    # FIFOMixin: every call one HTTP request makes (n prompts, retries) shares Ray's internal request id, and
+    # without it Ray's base class matches a chosen replica to a waiting call by that id: all but one would wait
+    # for ever. With it, a replica chosen while several calls wait goes to the oldest (rare: only while replicas
+    # are full or being probed).
+
     def initialize_state(self, policy: str = "prefix", imbalance_threshold: int = 8,
                          index_capacity: int = 1 << 17) -> None:
         self.policy = RoutingPolicy(RouterConfig(policy, imbalance_threshold, index_capacity))
         self.in_flight: Counter[str] = Counter()
+        self._chosen: OrderedDict[str, tuple[str, list[bytes]]] = OrderedDict()
+        """call id -> the replica its ranking put first, and the hashes that put there anew (bounded: a call
+        cancelled before it was routed is never popped)."""
 
     async def choose_replicas(self, candidate_replicas: List[RunningReplica],
                               pending_request: Optional[PendingRequest] = None) -> List[List[RunningReplica]]:
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
-        kwargs = pending_request.kwargs if pending_request is not None else {}
-        pinned = kwargs.get("replica")
-        if pinned is not None:
-            return [[by_id[pinned]]] if pinned in by_id else []
-        hashes = kwargs.get("routing") or ()
-        order = self.policy.rank(list(by_id), {r: self.in_flight[r] for r in by_id}, hashes)
-        if order:
+        avoid = set(pending_request.kwargs.get("avoid") or ()) if pending_request is not None else set()
+        if len(by_id.keys() - avoid) > 0:  # a replica whose engine failed this request, unless it is the last
+            by_id = {r: replica for r, replica in by_id.items() if r not in avoid}
+        if pending_request is None or not by_id:
+            return [list(by_id.values())] if by_id else []
+        # Ray calls again without pause when no rank is taken (all full): back off between tries instead.
+        pending_request.routing_context.should_backoff = True
+        hashes = pending_request.kwargs.get("routing") or ()
+        key = pending_request.kwargs.get("call_id") or pending_request.metadata.internal_request_id
+        first, _ = self._chosen.get(key, (None, None))
+        if first not in by_id:
+            # A request is ranked (and, under round-robin, takes its turn) once, not once per try.
+            first = self.policy.rank(list(by_id), {r: self.in_flight[r] for r in by_id}, hashes)[0]
             # Remembered now, not when Ray confirms: requests that share a prefix and arrive together follow the
             # first one instead of racing it.
-            self.policy.routed(hashes, order[0])
-        return [[by_id[r]] for r in order]
+            self._chosen[key] = (first, self.policy.routed(hashes, first))
+            if len(self._chosen) > MAX_REMEMBERED_CHOICES:
+                self._chosen.popitem(last=False)
+        rest = sorted((r for r in by_id if r != first), key=lambda r: self.in_flight[r])
+        return [[by_id[first]]] + [[by_id[r]] for r in rest]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
-        self.policy.routed(pending_request.kwargs.get("routing") or (), replica_id.unique_id)
+        hashes = pending_request.kwargs.get("routing") or ()
+        key = pending_request.kwargs.get("call_id") or pending_request.metadata.internal_request_id
+        first, added = self._chosen.pop(key, (None, None))
+        if first is not None and first != replica_id.unique_id:
+            self.policy.forget_chain(added, first)  # it went elsewhere: what it alone put on `first` is not there
+        self.policy.routed(hashes, replica_id.unique_id)
 
     def on_send_request(self, replica_id: ReplicaID) -> None:
         super().on_send_request(replica_id)
@@ -53,5 +77,14 @@ class PagedServeRequestRouter(FIFOMixin, RequestRouter):
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
-        self.policy.forget(replica_id.unique_id)
-        self.in_flight.pop(replica_id.unique_id, None)
+        self._forget(replica_id.unique_id)
+
+    def update_replicas(self, replicas: List[RunningReplica]) -> None:
+        gone = set(self.in_flight) | set(self.policy.index.replicas())
+        super().update_replicas(replicas)
+        for replica in gone - {r.replica_id.unique_id for r in replicas}:
+            self._forget(replica)  # scaled down or replaced: its cache went with it
+
+    def _forget(self, replica: str) -> None:
+        self.policy.forget(replica)
+        self.in_flight.pop(replica, None)

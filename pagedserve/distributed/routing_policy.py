@@ -59,13 +59,17 @@ class RoutingPolicy:
             chosen = self._by_prefix(replicas, loads, hashes) or chosen
         return [chosen] + sorted((r for r in replicas if r != chosen), key=lambda r: loads.get(r, 0))
 
-    def routed(self, hashes: Sequence[bytes], replica: str) -> None:
-        """A request with these block hashes went to `replica`."""
+    def routed(self, hashes: Sequence[bytes], replica: str) -> list[bytes]:
+        """A request with these block hashes went to `replica`; the hashes it holds anew."""
         if hashes and self.config.policy == "prefix":
-            self.index.insert(hashes, replica)
+            return self.index.insert(hashes, replica)
+        return []
 
     def forget(self, replica: str) -> None:
         self.index.drop_replica(replica)
+
+    def forget_chain(self, hashes: Sequence[bytes], replica: str) -> None:
+        self.index.remove(hashes, replica)
 
     def _by_prefix(self, replicas: list[str], loads: dict[str, int], hashes: Sequence[bytes]) -> Optional[str]:
         matched = self.index.match(hashes, replicas)

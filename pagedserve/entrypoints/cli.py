@@ -97,7 +97,7 @@ def _add_serve(subparsers) -> None:
 
 
 def _add_ray_args(p) -> None:
-    from pagedserve.distributed.app import DEFAULT_TARGET_WAITING
+    from pagedserve.distributed.config import DEFAULT_TARGET_WAITING
     from pagedserve.distributed.routing_policy import ROUTER_POLICIES, RouterConfig
 
     g = p.add_argument_group("scale-out on Ray Serve (pip install 'pagedserve[ray]')")
@@ -122,8 +122,11 @@ def _add_ray_args(p) -> None:
 
 
 def _run_serve(args: argparse.Namespace) -> int:
+    from pagedserve.distributed.config import check_ray_flags_need_ray
+
+    check_ray_flags_need_ray(args, build_parser().parse_args(["serve"]))
     if args.ray:
-        from pagedserve.distributed.app import serve_on_ray
+        from pagedserve.distributed.launcher import serve_on_ray
 
         return serve_on_ray(args)
     from pagedserve.entrypoints.openai.server import serve

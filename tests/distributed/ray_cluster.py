@@ -87,7 +87,8 @@ def start_cluster() -> int:
 
 
 def deploy(port: int, model_dir: str, **flags) -> RayApp:
-    """The app with these `pagedserve serve` flags (replacing the one deployed before), once it answers."""
+    """The app with these `pagedserve serve` flags (replacing the one deployed before), once Serve calls it
+    running (its replicas may still be reporting in: see RayApp.wait_replicas)."""
     serve.run(build_app({"model": model_dir, **ENGINE_FLAGS, **flags}), name=APP_NAME, route_prefix="/",
               blocking=False)
     app = RayApp(f"http://127.0.0.1:{port}")

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from pagedserve.distributed.app import RayConfig, check_ray_args, serve_args
+from pagedserve.distributed.config import RayConfig, check_ray_args, check_ray_flags_need_ray
+from pagedserve.distributed.serve_args import serve_args
 from pagedserve.distributed.routing_policy import RouterConfig
 from pagedserve.entrypoints.cli import build_parser
 
@@ -34,6 +35,8 @@ def test_autoscaling_targets_waiting_requests_beyond_the_running_batch():
 @pytest.mark.parametrize("flags,match", [(["--num-replicas", "0"], "num-replicas"),
                                          (["--autoscale-min", "1"], "go together"),
                                          (["--autoscale-min", "3", "--autoscale-max", "2"], "autoscale-min"),
+                                         (["--autoscale-min", "0", "--autoscale-max", "2"], "autoscale-min"),
+                                         (["--autoscale-target-waiting", "-1"], "target-waiting"),
                                          (["--ray-gpus-per-replica", "-1"], "gpus")])
 def test_bad_ray_flags_are_refused_with_the_flag_named(flags, match):
     with pytest.raises(ValueError, match=match):
@@ -56,6 +59,8 @@ def test_serve_run_style_arguments_parse_like_the_command_line():
     assert (args.model, args.num_replicas, args.dtype, args.router) == ("/m", 2, "float32", "least-loaded")
     assert args.served_model_name == ["a", "b"]
     assert serve_args({"api_key": ["k1", "k2"]}).api_key == ["k1", "k2"]  # a repeated flag
+    assert serve_args({"enable_prefix_caching": "false"}).enable_prefix_caching is False  # --no-...
+    assert serve_args({"enable_chunked_prefill": False}).enable_chunked_prefill is False
     with pytest.raises(ValueError, match="bad pagedserve serve arguments"):
         serve_args({"no_such_flag": "1"})
 
@@ -78,3 +83,11 @@ def test_the_example_serve_config_and_rayservice_build_the_app():
         args = serve_args(app["args"])
         assert (args.num_replicas, args.router, args.ray_cpus_per_replica) == (2, "prefix", 2.0)
         assert build_app(app["args"]) is not None  # the application graph builds (nothing runs until deployed)
+
+
+def test_ray_flags_without_ray_are_refused_not_ignored():
+    defaults = parse()
+    check_ray_flags_need_ray(parse("--ray", "--num-replicas", "2"), defaults)
+    check_ray_flags_need_ray(parse("--port", "9000"), defaults)
+    with pytest.raises(ValueError, match="--num-replicas, --router only apply with --ray"):
+        check_ray_flags_need_ray(parse("--num-replicas", "2", "--router", "round-robin"), defaults)

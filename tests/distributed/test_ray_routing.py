@@ -11,6 +11,7 @@ import time
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from ray_cluster import MODEL_NAME, deploy, ray, ray_port  # noqa: F401 - fixture
 from pagedserve.tenants.tenant import hash_key
@@ -121,12 +122,50 @@ def test_a_user_key_may_not_reset_the_prefix_caches_and_an_admin_key_resets_all(
     assert cached(complete(app, PREFIX + [7])) == 0
 
 
-def test_the_ingress_metrics_label_each_replica(app):
+def test_the_ingress_metrics_label_each_replica_and_count_its_own_once(app):
     text = httpx.get(app.url + "/metrics", headers=auth("key-ops"), timeout=30).text
+    got = {(s.name, frozenset(s.labels.items())): s.value
+           for family in text_string_to_metric_families(text) for s in family.samples}
     assert len(app.reporting_replicas()) == 2
-    assert 'pagedserve:tenant_requests_total{model_name="tiny",status="200",tenant="a"}' in text or \
-        'tenant="a"' in text
-    assert "http_requests_total" in text and 'replica="' in text
+    tenant_a = [labels for name, labels in got if name == "pagedserve:tenant_requests_total"
+                and dict(labels).get("tenant") == "a"]
+    assert tenant_a and all("replica" not in dict(labels) for labels in tenant_a)  # counted at the ingress
+    engine = [dict(labels) for name, labels in got if name == "pagedserve:prompt_tokens_total"]
+    assert {labels["replica"] for labels in engine} == app.reporting_replicas()
+    assert sum(v for (name, _), v in got.items() if name == "pagedserve:prompt_tokens_total") > 0
+
+
+def engine_cores(replica_id: str) -> list:
+    """The engine-core process of one replica: the spawned child of the Ray worker whose Serve log is that
+    replica's."""
+    import psutil
+
+    for proc in psutil.process_iter(["cmdline"]):
+        if "EngineReplica" not in " ".join(proc.info["cmdline"] or []):
+            continue
+        try:
+            if any(f.path.endswith(f"EngineReplica_{replica_id}.log") for f in proc.open_files()):
+                return [c for c in proc.children() if "spawn_main" in " ".join(c.cmdline())]
+        except psutil.Error:
+            continue
+    return []
+
+
+def test_a_replica_whose_engine_died_is_avoided_and_then_replaced(app):
+    prompt = list(range(150, 150 + 2 * BLOCK))
+    victim = replica_of(complete(app, prompt + [1]))
+    cores = engine_cores(victim)
+    assert len(cores) == 1
+    cores[0].kill()
+    cores[0].wait(10)
+    time.sleep(0.5)  # the replica's reader thread sees its pipe close
+    r = complete(app, prompt + [2])  # the prefix says `victim`; its engine is gone: sent to the other replica
+    assert replica_of(r) != victim and r.json()["choices"][0]["finish_reason"] == "length"
+    deadline = time.monotonic() + 120
+    while victim in app.reporting_replicas():  # Ray's health check fails it and starts another
+        assert time.monotonic() < deadline
+        time.sleep(0.5)
+    app.wait_replicas(2)
 
 
 def stream_events(app, prompt: list[int], seen_first: threading.Event, out: list) -> None:
@@ -165,7 +204,8 @@ def test_killing_a_replica_fails_only_the_streams_it_had_started(app):
             and not any('"error"' in e for e in ev)]
     assert len(failed) + len(done) == 8, results
     assert 1 <= len(failed) <= 4  # the started ones: each ends with an error event, then [DONE]
-    assert all(ev[-1] == "[DONE]" and "died" in ev[-2] for ev in failed)
+    assert all(ev[-1] == "[DONE]" and json.loads(ev[-2])["error"]["code"] == "engine_dead"
+               and "replica serving this request died" in ev[-2] for ev in failed)
     assert len(done) >= 4  # every request that had not started ran again elsewhere, to the end
     assert all(json.loads(ev[-2])["choices"][0]["finish_reason"] == "length" for ev in done)
     app.wait_replicas(2)  # Ray replaces the dead replica
