@@ -157,7 +157,8 @@ class _Attempt:
         self.failure = ""
         self.last_error: Exception = EngineDeadError("no engine replica could run the request")
         self.failed_replica: Optional[str] = None
-        """The replica whose engine had died (alive to Ray until its health check fails): the next try avoids it."""
+        """The replica that answered with a dead engine (alive to Ray until its health check fails) or a full queue:
+        the next try avoids it."""
 
     async def run(self, handle, call, avoid: list[str]) -> AsyncIterator[RequestOutput]:
         prompt, params, request_id, priority, tenant, lora_request, hashes = call
