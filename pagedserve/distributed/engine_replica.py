@@ -47,6 +47,9 @@ class EngineReplica:
                        lora_request=None, routing=None, avoid=None, call_id=None):
         """AsyncLLM.generate's deltas; the first names this replica. A refusal or an engine failure arrives
         as a ReplicaError item (the last). `routing`, `avoid` and `call_id` are the router's, unused here."""
+        if not self.async_llm.is_alive():  # dead before this request came: another replica may run it
+            yield ReplicaError("unavailable", "this replica's engine is not running", self.replica_id)
+            return
         first = True
         try:
             async for output in self.async_llm.generate(prompt, params, request_id, priority=priority,
@@ -82,6 +85,9 @@ class EngineReplica:
         reporter = getattr(self, "_reporter", None)
         if reporter is not None:
             reporter.cancel()
-            self._board.leave.remote(self.replica_id)  # off /health and /metrics now, not 5 s later
+            try:
+                self._board.leave.remote(self.replica_id)  # off /health and /metrics now, not 5 s later
+            except Exception:  # noqa: BLE001 - Serve shutting down around us: the engine must still stop
+                pass
         if getattr(self, "async_llm", None) is not None:
             self.async_llm.shutdown()

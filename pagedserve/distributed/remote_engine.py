@@ -17,7 +17,7 @@ import uuid
 from typing import AsyncIterator, Optional
 
 from ray.exceptions import RayError
-from ray.serve.exceptions import RayServeException
+from ray.serve.exceptions import RayServeException, RequestCancelledError
 
 from pagedserve.config import EngineConfig
 from pagedserve.distributed.prefix_index import routing_hashes
@@ -65,6 +65,13 @@ class RemoteEngine(CoreFacts):
         """Whether any replica has reported within the board's window."""
         return bool(self.replicas)
 
+    async def _any_replica(self) -> bool:
+        """Whether the board knows a live replica; True when the board cannot say now (the router will find out)."""
+        try:
+            return bool(await self.refresh())
+        except REPLICA_ERRORS:
+            return True
+
     async def refresh(self) -> dict[str, str]:
         self.replicas = await self._board.snapshot.remote()
         return self.replicas
@@ -91,30 +98,32 @@ class RemoteEngine(CoreFacts):
         hashes = routing_hashes(request.prompt_token_ids, self.info.block_size,
                                 prompt.get("cache_salt") if isinstance(prompt, dict) else None,
                                 lora_request.lora_name if lora_request is not None else None)
-        if not self.is_alive() and not await self.refresh():
+        if not self.is_alive() and not await self._any_replica():
             raise EngineDeadError("no engine replica is running")
         call = (prompt, params, request_id, priority, tenant, lora_request, hashes)
         avoid: list[str] = []
         attempts = max(MAX_ATTEMPTS, len(self.replicas))
         for attempt in range(1, attempts + 1):
-            attempt_outputs = _Attempt()
+            attempt_outputs = _Attempt(attempt)
             async with contextlib.aclosing(attempt_outputs.run(self._streaming, call, avoid)) as outputs:
                 async for output in outputs:
                     yield output
             if attempt_outputs.done:
                 return
             avoid += [attempt_outputs.failed_replica] if attempt_outputs.failed_replica else []
+            if self.replicas and set(avoid) >= set(self.replicas):
+                break  # every replica has said no: trying them again at once would only repeat it
             logger.info("request %s: not run (%s; attempt %d of %d)", request_id, attempt_outputs.failure, attempt,
                         attempts)
         raise attempt_outputs.last_error
 
     async def replica_metrics(self, timeout: float = 2.0) -> dict[str, str]:
-        """Replica id -> its metrics text, asked of every running replica now; a replica that does not answer
-        within `timeout` is represented by its last report to the board."""
+        """Replica id -> its metrics text, asked of every running replica now; when they have not all answered
+        within `timeout`, the replicas' last reports to the board instead."""
         try:
             answers = await self._engine.broadcast("metrics").results_async(timeout_s=timeout,
                                                                              return_exceptions=True)
-        except TimeoutError:
+        except (TimeoutError, RayServeException):  # one slow replica, or none: every text from the board
             answers = []
         texts = dict(a for a in answers if isinstance(a, tuple))
         for replica, text in (await self.refresh()).items():
@@ -148,11 +157,12 @@ class _Attempt:
     """One try of a request on whichever replica the router picks. `done`: it ended (finished, or an error the
     client must see); otherwise it failed before producing anything (`failure` says how; `last_error` is what
     the client gets if no other try succeeds) and may be sent again: the replica died, became unreachable, its
-    engine had died, or its queue was full (another replica's may not be)."""
+    engine was not running when the request came, or its queue was full (another replica's may not be)."""
 
-    RETRIED = ("dead", "queue_full")
-
-    def __init__(self) -> None:
+    def __init__(self, number: int) -> None:
+        # An engine that died *while* running the request is not tried again (the request may be what killed it).
+        # From the second try on, "id in use" is the first try still being aborted on that replica.
+        self.retried = {"unavailable", "queue_full"} | ({"id_in_use"} if number > 1 else set())
         self.done = False
         self.failure = ""
         self.last_error: Exception = EngineDeadError("no engine replica could run the request")
@@ -170,7 +180,7 @@ class _Attempt:
         try:
             async for item in stream:
                 if isinstance(item, ReplicaError):
-                    if item.kind not in self.RETRIED or started:
+                    if item.kind not in self.retried or started:
                         settled = self.done = True
                         raise item.exception()
                     self.failure, self.failed_replica = f"{item.kind}: {item.message}", item.replica
@@ -182,9 +192,12 @@ class _Attempt:
                     settled = self.done = True
                     return
             settled = self.done = True  # the stream ended without a last output: the replica says no more
+        except RequestCancelledError:
+            settled = self.done = True
+            raise
         except REPLICA_ERRORS as e:
             if started:
-                settled = self.done = True
+                self.done = True  # not settled: cancel it there in case the replica is only unreachable
                 raise EngineDeadError(f"the engine replica serving this request died or became unreachable "
                                       f"({type(e).__name__})") from None
             self.failure = type(e).__name__

@@ -16,6 +16,8 @@ _KINDS = {"invalid": ValueError, "queue_full": QueueFullError, "dead": EngineDea
 @dataclass(frozen=True)
 class ReplicaError:
     kind: str
+    """invalid (ValueError), queue_full, id_in_use (RequestIdInUseError), unavailable (the replica's engine was
+    not running when the request came) or dead (it died while running it); the last two are EngineDeadError."""
     message: str
     replica: Optional[str] = None
 

@@ -75,15 +75,33 @@ class RayApp:
                 if line.startswith("pagedserve:num_requests_running{")}
 
 
-def start_cluster() -> int:
-    """A local cluster and Serve's proxy; returns the proxy's port."""
+def free_port() -> int:
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     sock.close()
-    ray.init(num_cpus=4, object_store_memory=200 << 20, include_dashboard=False, log_to_driver=False)
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
     return port
+
+
+def start_cluster() -> int:
+    """A local cluster and Serve's proxy; returns the proxy's port. The port is picked once the cluster runs, and
+    again if the proxy cannot bind it (one of Ray's own processes can take a port between the probe and the
+    bind). A failure shuts the cluster down, so that the next module starts clean."""
+    ray.init(num_cpus=4, object_store_memory=200 << 20, include_dashboard=False, log_to_driver=False)
+    try:
+        for attempt in range(3):
+            port = free_port()
+            try:
+                serve.start(http_options={"host": "127.0.0.1", "port": port})
+                return port
+            except Exception:  # noqa: BLE001 - the bind failed: another port
+                serve.shutdown()
+                if attempt == 2:
+                    raise
+    except BaseException:
+        ray.shutdown()
+        raise
+    raise AssertionError("unreachable")
 
 
 def deploy(port: int, model_dir: str, **flags) -> RayApp:
