@@ -87,12 +87,34 @@ async def _read_json(request: Request, config: ServerConfig, model_cls):
         data = json.loads(b"".join(chunks))
     except ValueError as e:
         raise OpenAIError(f"The request body is not valid JSON: {e}", 400) from None
+    except RecursionError:
+        raise OpenAIError("The request body is nested too deeply.", 400) from None
     if not isinstance(data, dict):
         raise OpenAIError("The request body must be a JSON object.", 400)
+    _check_unicode(data)
     try:
         return model_cls.model_validate(data)
     except ValidationError as e:
         raise from_validation_error(e) from None
+
+
+def _check_unicode(data: dict) -> None:
+    """JSON may spell a lone UTF-16 surrogate (\\ud800) that is no character at all: refuse it here (naming the
+    field), before a tokenizer or a template fails on it. Iterative: any depth json accepted is walked."""
+    stack = [(key, value) for key, value in data.items()]
+    while stack:
+        field, value = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                raise OpenAIError(f"`{field}` contains a lone surrogate (a \\ud800-\\udfff escape that is not "
+                                  "half of a pair): not valid Unicode.", 400, param=field) from None
+        elif isinstance(value, dict):
+            stack.extend((field, v) for v in value.values())
+            stack.extend((field, k) for k in value)
+        elif isinstance(value, list):
+            stack.extend((field, v) for v in value if not isinstance(v, (int, float)))
 
 
 def build_app(async_llm: AsyncLLM, args, metrics: Optional[PrometheusStatLogger] = None,
@@ -204,7 +226,7 @@ def _add_generation_routes(app: FastAPI, async_llm: AsyncLLM, config: ServerConf
         if body.messages is not None:
             _, tokens = chat.render(body.messages, body.add_generation_prompt)
         else:
-            tokens = chat.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            tokens = chat.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         return {"count": len(tokens), "max_model_len": async_llm.max_model_len, "tokens": tokens}
 
     @app.post("/detokenize")

@@ -54,6 +54,10 @@ def sse(payload: dict) -> str:
 SSE_DONE = "data: [DONE]\n\n"
 
 
+NORMALIZER_SLACK = 4
+"""How many characters a tokenizer's normalizer may fold into one (NFC, NFKC): the length check stays sound."""
+
+
 class ServingBase:
     def __init__(self, async_llm: AsyncLLM, config: ServerConfig, lora_modules=None) -> None:
         self.async_llm = async_llm
@@ -66,6 +70,7 @@ class ServingBase:
         self.tokenizer = async_llm.input_processor.tokenizer
         self.max_model_len = async_llm.max_model_len
         self.vocab_size = async_llm.vocab_size
+        self._max_prompt_chars: Optional[int] = None
 
     # -- checks ------------------------------------------------------------------------------------------------
 
@@ -87,6 +92,24 @@ class ServingBase:
     def need_tokenizer(self) -> None:
         if self.tokenizer is None:
             raise OpenAIError("this server was started without a tokenizer: only token-id prompts work", 400)
+
+    def encode(self, text: str, param: str = "prompt", **kwargs) -> list[int]:
+        """A client's text as token ids; refused before tokenizing when its length alone rules it out, so that a
+        huge prompt costs a length check, not seconds of tokenizer time."""
+        self.need_tokenizer()
+        limit = self.max_prompt_chars()
+        if len(text) > limit:
+            raise OpenAIError(f"The {param} is {len(text)} characters long; this model's {self.max_model_len}-token "
+                              f"context holds at most {limit}. Please shorten it.", 400, param=param)
+        return self.tokenizer.encode(text, **kwargs)
+
+    def max_prompt_chars(self) -> int:
+        """Characters beyond which a text cannot fit the context: no token spells more than the longest entry of
+        the vocabulary (times NORMALIZER_SLACK, for normalizers that merge characters)."""
+        if self._max_prompt_chars is None:
+            longest = max((len(t) for t in self.tokenizer.get_vocab()), default=1)
+            self._max_prompt_chars = NORMALIZER_SLACK * longest * self.max_model_len
+        return self._max_prompt_chars
 
     def check_token_ids(self, ids: list[int], param: str = "prompt") -> None:
         bad = [t for t in ids if not 0 <= t < self.vocab_size]

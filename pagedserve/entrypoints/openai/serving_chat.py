@@ -71,7 +71,7 @@ class ServingChat(ServingBase):
                                                       add_generation_prompt=add_generation_prompt, **extra)
         except Exception as e:  # noqa: BLE001 - a template that rejects the conversation is the client's problem
             raise OpenAIError(f"the chat template failed on these messages: {e}", 400, param="messages") from None
-        return text, self.tokenizer.encode(text, add_special_tokens=False)
+        return text, self.encode(text, "messages", add_special_tokens=False)
 
     def _tools(self, body: ChatCompletionRequest) -> _Tools:
         try:

@@ -124,8 +124,7 @@ class ServingCompletion(ServingBase):
         out = []
         for p in prompt:
             if isinstance(p, str):
-                self.need_tokenizer()
-                out.append((p, self.tokenizer.encode(p)))
+                out.append((p, self.encode(p)))
             else:
                 self.check_token_ids(p)
                 out.append((None, list(p)))

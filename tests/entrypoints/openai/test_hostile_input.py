@@ -1,0 +1,61 @@
+"""Hostile input gets an OpenAI-shaped 400 in bounded time, never a 500, and the server keeps serving: lone
+surrogates, JSON nested 10,000 deep, and a 10 MB prompt (refused by its length before it is tokenized)."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+
+from live_server import MODEL_NAME, server  # noqa: F401 - fixture
+
+
+def post_raw(server, path: str, body: bytes) -> httpx.Response:
+    return httpx.post(server.url + path, content=body, headers={"content-type": "application/json"}, timeout=60)
+
+
+def assert_400(r: httpx.Response, param, contains: str) -> None:
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["param"] == param, error
+    assert contains in error["message"], error
+
+
+def still_serves(server) -> None:
+    r = httpx.post(server.url + "/v1/completions", timeout=60,
+                   json={"model": MODEL_NAME, "prompt": "Hello", "max_tokens": 2})
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/completions", b'{"prompt": "a\\ud800b", "max_tokens": 2}', "prompt"),
+    ("/v1/completions", b'{"prompt": ["ok", "x\\udfff"], "max_tokens": 2}', "prompt"),
+    ("/v1/completions", b'{"prompt": "hi", "stop": ["\\ud83d"], "max_tokens": 2}', "stop"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\udc00"}]}', "messages"),
+    ("/tokenize", b'{"prompt": "\\ud800"}', "prompt"),
+])
+def test_a_lone_surrogate_is_a_400_naming_the_field(server, path, body, param):
+    assert_400(post_raw(server, path, body), param, "lone surrogate")
+    still_serves(server)
+
+
+def test_a_surrogate_pair_is_the_character_it_spells(server):
+    r = post_raw(server, "/tokenize", b'{"prompt": "\\ud83d\\ude80"}')  # U+1F680, escaped as JSON allows
+    assert r.status_code == 200 and r.json()["count"] > 0
+
+
+def test_json_nested_10000_deep_is_a_400(server):
+    deep = b'{"prompt": ' + b"[" * 10_000 + b"]" * 10_000 + b"}"
+    assert_400(post_raw(server, "/v1/completions", deep), None, "nested too deeply")
+    still_serves(server)
+
+
+def test_a_10_mb_prompt_is_refused_by_its_length_before_tokenizing(server):
+    start = time.monotonic()
+    r = httpx.post(server.url + "/v1/completions", timeout=60,
+                   json={"model": MODEL_NAME, "prompt": "Hello world " * 900_000, "max_tokens": 2})
+    elapsed = time.monotonic() - start
+    assert_400(r, "prompt", "characters long")
+    assert elapsed < 3.0, elapsed  # tokenizing it whole took seconds
+    still_serves(server)
