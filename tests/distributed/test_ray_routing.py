@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import sys
 import threading
 import time
 
@@ -13,18 +15,14 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from ray_cluster import MODEL_NAME, deploy, ray, ray_port  # noqa: F401 - fixture
-from pagedserve.tenants.tenant import hash_key
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "entrypoints", "openai"))
+
+from ray_cluster import MODEL_NAME, deploy, ray, ray_port  # noqa: E402,F401 - fixture
+from test_api_keys import tenant_toml  # noqa: E402
 
 BLOCK = 16
 PREFIX = list(range(30, 30 + 4 * BLOCK))  # 4 full blocks
 THRESHOLD = 8
-
-
-def tenant_toml(name: str, key: str, **fields) -> str:
-    lines = [f"[tenants.{name}]", f'key_sha256 = "{hash_key(key)}"', *(f"{k} = {json.dumps(v)}"
-                                                                       for k, v in fields.items())]
-    return "\n".join(lines) + "\n\n"
 
 
 KEYS = (tenant_toml("a", "key-a") + tenant_toml("b", "key-b") + tenant_toml("ops", "key-ops", scope="admin")

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,15 +14,13 @@ import httpx
 import pytest
 
 pytest.importorskip("ray", reason="the Ray tests need ray[serve] (pip install 'pagedserve[ray]')")
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "entrypoints", "openai"))
+
+from live_server import stream_across_signal  # noqa: E402
+from ray_cluster import free_port  # noqa: E402
 
 FLAGS = ["--dtype", "float32", "--kv-cache-memory-bytes", str(1 << 23), "--max-model-len", "256",
          "--served-model-name", "tiny"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_healthy(proc: subprocess.Popen, url: str, timeout: float = 180.0) -> None:
@@ -47,14 +44,7 @@ def test_sigterm_drains_the_streams_in_flight_and_exits_0(tiny_llama_dir):
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(proc, url)
-        lines = []
-        with httpx.stream("POST", url + "/v1/completions", timeout=60,
-                          json={"prompt": "Hello", "max_tokens": 200, "temperature": 0, "ignore_eos": True,
-                                "stream": True}) as r:
-            it = r.iter_lines()
-            lines.append(next(line for line in it if line.startswith("data:")))
-            proc.send_signal(signal.SIGTERM)
-            lines += [line for line in it if line.startswith("data:")]
+        lines = stream_across_signal(proc, url, signal.SIGTERM)
         assert lines[-1] == "data: [DONE]"
         assert json.loads(lines[-2][6:])["choices"][0]["finish_reason"] == "length"
         assert proc.wait(90) == 0

@@ -74,6 +74,18 @@ def start_server(model_dir: str, *flags: str, log_requests: bool = False, **app_
     return LiveServer(f"http://127.0.0.1:{port}", async_llm, server, thread)
 
 
+def stream_across_signal(proc, url: str, sig) -> list[str]:
+    """The `data:` lines of a 200-token greedy stream during which the server process `proc` gets `sig` (sent
+    once the first chunk has arrived)."""
+    with httpx.stream("POST", url + "/v1/completions", timeout=60,
+                      json={"prompt": "Hello", "max_tokens": 200, "temperature": 0, "ignore_eos": True,
+                            "stream": True}) as r:
+        lines = r.iter_lines()
+        first = next(line for line in lines if line.startswith("data:"))
+        proc.send_signal(sig)
+        return [first] + [line for line in lines if line.startswith("data:")]
+
+
 def scrape(server, headers: dict | None = None) -> dict:
     """{(sample name, frozen labels): value} of the server's /metrics, parsed by prometheus_client's parser."""
     text = httpx.get(server.url + "/metrics", headers=headers).text

@@ -16,7 +16,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import assert_no_leaked_blocks
-from live_server import MODEL_NAME, ENGINE_FLAGS, client, server  # noqa: F401 - fixtures
+from live_server import MODEL_NAME, ENGINE_FLAGS, client, server, stream_across_signal  # noqa: F401 - fixtures
 from pagedserve.engine.async_llm import AsyncLLM
 from pagedserve.entrypoints.cli import build_parser
 from pagedserve.entrypoints.openai.api_server import build_app
@@ -171,14 +171,7 @@ def test_graceful_shutdown_finishes_in_flight_requests_and_exits_0(tiny_llama_di
                     break
             except httpx.TransportError:
                 time.sleep(0.1)
-        lines = []
-        with httpx.stream("POST", url + "/v1/completions", timeout=60,
-                          json={"prompt": "Hello", "max_tokens": 200, "temperature": 0, "ignore_eos": True,
-                                "stream": True}) as r:
-            it = r.iter_lines()
-            lines.append(next(line for line in it if line.startswith("data:")))
-            proc.send_signal(sig)
-            lines += [line for line in it if line.startswith("data:")]
+        lines = stream_across_signal(proc, url, sig)
         assert lines[-1] == "data: [DONE]"
         text = "".join(json.loads(line[6:])["choices"][0]["text"] for line in lines[:-1])
         assert json.loads(lines[-2][6:])["choices"][0]["finish_reason"] == "length" and text
