@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from compare_serving import markdown, start_server, stop_server  # same folder
+from compare_serving import add_server_flags, markdown, start_server, stop_server  # same folder
 
 from pagedserve.benchmarks import serve
 
@@ -41,11 +41,7 @@ def run(args, name: str, server_flags: list[str]) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", default=None, help="default: pagedserve's default model")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--port", type=int, default=None)
-    p.add_argument("--server-arg", dest="server_extra", action="append", default=[],
-                   help="extra flag for pagedserve serve (repeat)")
+    add_server_flags(p)
     p.add_argument("--num-prompts", type=int, default=256)
     p.add_argument("--num-prefixes", type=int, default=8)
     p.add_argument("--prefix-len", type=int, default=1024)

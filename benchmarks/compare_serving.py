@@ -42,6 +42,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def add_server_flags(p: argparse.ArgumentParser) -> None:
+    """The server flags of the scripts that start `pagedserve serve` once per scenario, adding their own flags
+    (in `args.server_extra`) to each scenario's."""
+    p.add_argument("--model", default=None, help="default: pagedserve's default model")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--port", type=int, default=None)
+    p.add_argument("--server-arg", dest="server_extra", action="append", default=[],
+                   help="extra flag for pagedserve serve (repeat)")
+
+
 def start_server(args, log_path: str) -> tuple[subprocess.Popen, str]:
     port = args.port or free_port()
     cmd = [sys.executable, "-m", "pagedserve.entrypoints.cli", "serve", "--port", str(port), "--dtype", args.dtype,

@@ -20,7 +20,7 @@ import os
 import statistics
 import urllib.request
 
-from compare_serving import start_server, stop_server  # same folder
+from compare_serving import add_server_flags, start_server, stop_server  # same folder
 from prometheus_client.parser import text_string_to_metric_families
 
 from pagedserve.benchmarks import serve
@@ -143,11 +143,7 @@ def overhead_report(overhead: list) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", default=None, help="default: pagedserve's default model")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--port", type=int, default=None)
-    p.add_argument("--server-arg", dest="server_extra", action="append", default=[],
-                   help="extra flag for pagedserve serve (repeat)")
+    add_server_flags(p)
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--num-prefixes", type=int, default=16)
     p.add_argument("--prefix-len", type=int, default=512)
