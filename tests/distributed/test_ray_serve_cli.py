@@ -17,6 +17,7 @@ pytest.importorskip("ray", reason="the Ray tests need ray[serve] (pip install 'p
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "entrypoints", "openai"))
 
 from live_server import stream_across_signal  # noqa: E402
+from test_api_keys import tenant_toml  # noqa: E402
 from ray_cluster import free_port  # noqa: E402
 
 FLAGS = ["--dtype", "float32", "--kv-cache-memory-bytes", str(1 << 23), "--max-model-len", "256",
@@ -35,12 +36,16 @@ def wait_healthy(proc: subprocess.Popen, url: str, timeout: float = 180.0) -> No
         time.sleep(0.5)
 
 
-def test_sigterm_drains_the_streams_in_flight_and_exits_0(tiny_llama_dir):
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "pagedserve.entrypoints.cli", "serve", "--ray", "--num-replicas",
-                             "2", "--model", tiny_llama_dir, "--port", str(port), *FLAGS],
+def start(model_dir: str, port: int, *flags: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "pagedserve.entrypoints.cli", "serve", "--ray", "--model",
+                             model_dir, "--port", str(port), *FLAGS, *flags],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def test_sigterm_drains_the_streams_in_flight_and_exits_0(tiny_llama_dir):
+    port = free_port()
+    proc = start(tiny_llama_dir, port, "--num-replicas", "2")
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(proc, url)
@@ -52,6 +57,34 @@ def test_sigterm_drains_the_streams_in_flight_and_exits_0(tiny_llama_dir):
         assert f"pagedserve is ready on Ray Serve: http://127.0.0.1:{port}/v1 (2 engine replica(s)" in out
         with pytest.raises(httpx.TransportError):
             httpx.get(url + "/health", timeout=5)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_sighup_re_reads_the_keys_file_in_the_ingress(tiny_llama_dir, tmp_path):
+    keys = tmp_path / "keys.toml"
+    keys.write_text(tenant_toml("a", "key-a"))
+    port = free_port()
+    proc = start(tiny_llama_dir, port, "--num-replicas", "1", "--api-keys-file", str(keys))
+    url = f"http://127.0.0.1:{port}"
+
+    def models(key: str) -> int:
+        return httpx.get(url + "/v1/models", headers={"Authorization": f"Bearer {key}"}, timeout=10).status_code
+
+    try:
+        wait_healthy(proc, url)
+        assert (models("key-a"), models("key-b")) == (200, 401)
+        keys.write_text(tenant_toml("b", "key-b"))
+        proc.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + 30
+        while models("key-b") != 200:
+            assert time.monotonic() < deadline, "the keys file was not re-read"
+            time.sleep(0.2)
+        assert models("key-a") == 401
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(90) == 0
     finally:
         if proc.poll() is None:
             proc.kill()
