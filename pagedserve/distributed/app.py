@@ -29,7 +29,9 @@ def build_app(args: Union[argparse.Namespace, dict, None] = None, **overrides):
     check_ray_args(args)
     ray_config = RayConfig.from_args(args)
     router = ray_config.router
-    quiet = {"enable_access_log": False}  # Serve would log every call: every report, every token stream
+    # Serve's access log would log every call (every report, every token stream): the ingress writes its own.
+    quiet = {"enable_access_log": False, "encoding": "JSON" if getattr(args, "log_format", "text") == "json"
+             else "TEXT", "log_level": getattr(args, "log_level", "info").upper()}
     board = serve.deployment(ReplicaBoard, name="ReplicaBoard", ray_actor_options={"num_cpus": 0},
                              logging_config=quiet).bind()
     engine = serve.deployment(

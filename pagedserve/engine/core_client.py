@@ -20,6 +20,7 @@ from typing import Callable, Optional
 from pagedserve.config import EngineConfig
 from pagedserve.engine.core_output import CoreInfo
 from pagedserve.engine.core_proc import run_engine_core
+from pagedserve.logging_utils import current_logging
 
 logger = logging.getLogger(__name__)
 
@@ -30,7 +31,7 @@ class EngineCoreClient:
         context = multiprocessing.get_context("spawn")  # never fork a process that may hold OpenMP threads
         self._conn, child_conn = context.Pipe(duplex=True)
         self.process = context.Process(target=run_engine_core, name="pagedserve-engine-core", daemon=True,
-                                       args=(config, child_conn, logging.getLogger("pagedserve").getEffectiveLevel()))
+                                       args=(config, child_conn, current_logging()))
         self.process.start()
         child_conn.close()
         self._on_outputs, self._on_dead = on_outputs, on_dead

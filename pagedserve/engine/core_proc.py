@@ -23,6 +23,7 @@ from multiprocessing.connection import Connection
 
 from pagedserve.config import EngineConfig
 from pagedserve.core.request import RequestStatus
+from pagedserve.logging_utils import LoggingConfig, configure_logging
 
 logger = logging.getLogger(__name__)
 
@@ -30,10 +31,11 @@ CALLABLE = ("reset_prefix_cache", "stats", "add_lora", "remove_lora", "list_lora
 """EngineCore methods a front end may call by name."""
 
 
-def run_engine_core(config: EngineConfig, conn: Connection, log_level: int = logging.INFO) -> None:
-    """The engine-core process's main function (multiprocessing target)."""
+def run_engine_core(config: EngineConfig, conn: Connection,
+                    logging_config: LoggingConfig = LoggingConfig()) -> None:
+    """The engine-core process's main function (multiprocessing target); it logs as its front end does."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the front end, which shuts us down
-    logging.basicConfig(level=log_level, format="%(levelname)s %(name)s (engine core): %(message)s")
+    configure_logging(logging_config, process_name="engine core")
     try:
         from pagedserve.engine.core import EngineCore
 

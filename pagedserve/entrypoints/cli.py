@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 
 from pagedserve.entrypoints.engine_args import add_engine_args, engine_kwargs
@@ -78,7 +77,9 @@ def _add_serve(subparsers) -> None:
                    help="Larger request bodies get 413.")
     p.add_argument("--shutdown-timeout", type=float, default=10.0,
                    help="On SIGTERM/SIGINT: seconds in-flight requests may take to finish before they are aborted.")
-    p.add_argument("--disable-log-requests", action="store_true", help="Do not log each request.")
+    p.add_argument("--disable-log-requests", action="store_true",
+                   help="Do not write the access log (a line per request, when its response is over).")
+    _add_log_args(p)
     p.add_argument("--lora-modules", nargs="+", default=None, type=_lora_module, metavar="MODULE",
                    help="LoRA adapters to serve (needs --enable-lora), each `name=path` or JSON "
                         "'{\"name\": ..., \"path\": ...}'; a request selects one by putting its name in `model`.")
@@ -94,6 +95,23 @@ def _add_serve(subparsers) -> None:
     _add_ray_args(p)
     add_engine_args(p)
     p.set_defaults(func=_run_serve)
+
+
+def _add_log_args(p) -> None:
+    from pagedserve.logging_utils import LOG_FORMATS, LOG_LEVELS
+
+    g = p.add_argument_group("logging")
+    g.add_argument("--log-level", choices=LOG_LEVELS, default="info",
+                   help="Least severe level logged, by pagedserve, uvicorn and the engine-core process alike.")
+    g.add_argument("--log-format", choices=LOG_FORMATS, default="text",
+                   help="text: lines for people; json: one JSON object per line (time, level, logger, message "
+                        "and, in the access log, request_id, tenant, model, lora_adapter, prompt_tokens, "
+                        "completion_tokens, cached_tokens, ttft_s, e2e_s, finish_reason, status).")
+    g.add_argument("--log-prompts", action="store_true",
+                   help="Put prompt and completion text in the access log (default: token counts only).")
+    g.add_argument("--max-log-len", type=int, default=None,
+                   help="With --log-prompts: characters (or token ids) of each prompt and completion kept. "
+                        "Default: all.")
 
 
 def _add_ray_args(p) -> None:
@@ -207,9 +225,11 @@ def build_parser(keys_only: bool = False) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    from pagedserve.logging_utils import LoggingConfig, configure_logging
+
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser(keys_only=argv[:1] == ["keys"]).parse_args(argv)
+    configure_logging(LoggingConfig(getattr(args, "log_level", "info"), getattr(args, "log_format", "text")))
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError) as e:

@@ -1,5 +1,5 @@
 """The FastAPI app: routes, OpenAI-shaped errors, and the gate (gate.py: request ids, API keys and tenants,
-admin routes, body-size limit, rate limits, HTTP metrics).
+admin routes, body-size limit, rate limits, HTTP metrics, the access log).
 
 `build_app(async_llm, args)` takes the AsyncLLM (already running) and the parsed `pagedserve serve` args; it
 does not own the engine: whoever built the AsyncLLM shuts it down. `app.state.reload_keys()` re-reads the keys
@@ -32,6 +32,7 @@ from pagedserve.entrypoints.openai.protocol import (ChatCompletionRequest, Compl
 from pagedserve.entrypoints.openai.serving_base import ClientDisconnected, ServerConfig
 from pagedserve.entrypoints.openai.serving_chat import ServingChat
 from pagedserve.entrypoints.openai.serving_completion import ServingCompletion
+from pagedserve.logging_utils.request_log import RequestLog, RequestLogConfig
 from pagedserve.metrics.prometheus import CONTENT_TYPE, DEFAULT_MAX_METRIC_TENANTS, PrometheusStatLogger
 from pagedserve.tenants.rate_limiter import RateLimiter
 from pagedserve.tenants.registry import TenantRegistry, TenantStore
@@ -61,7 +62,9 @@ def server_config(args) -> ServerConfig:
                         scheduling_policy=getattr(args, "scheduling_policy", "fcfs"),
                         max_metric_tenants=getattr(args, "max_metric_tenants", DEFAULT_MAX_METRIC_TENANTS),
                         enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", False),
-                        tool_call_parser=getattr(args, "tool_call_parser", None) or "hermes")
+                        tool_call_parser=getattr(args, "tool_call_parser", None) or "hermes",
+                        log_prompts=getattr(args, "log_prompts", False),
+                        max_log_len=getattr(args, "max_log_len", None))
 
 
 def tenant_store(config: ServerConfig) -> TenantStore:
@@ -145,8 +148,9 @@ def build_app(async_llm: AsyncLLM, args, metrics: Optional[PrometheusStatLogger]
     _add_admin_routes(app, async_llm)
     if getattr(args, "allow_runtime_lora_updating", False):
         _add_lora_routes(app, config, lora_modules)
+    request_log = RequestLog(RequestLogConfig(config.log_requests, config.log_prompts, config.max_log_len))
     app.add_middleware(Gate, max_body_bytes=config.max_body_bytes, metrics=metrics, tenants=tenants,
-                       rate_limiter=rate_limiter)
+                       rate_limiter=rate_limiter, request_log=request_log)
     return app
 
 

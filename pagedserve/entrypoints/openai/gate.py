@@ -1,5 +1,6 @@
 """The gate every HTTP request passes before a route: request id, API key -> tenant, admin scope, body size, the
-tenant's request and concurrency limits; and, on the way out, the response headers of all of these.
+tenant's request and concurrency limits; and, on the way out, the response headers of all of these, the HTTP
+metrics and the request's access-log line.
 
 It is pure ASGI middleware, never buffering a body (streams go through as they are made): headers are added to
 the `http.response.start` message. A refused request gets its error here and reaches neither a route nor the
@@ -16,6 +17,7 @@ from pagedserve.entrypoints.openai.errors import error_response
 from pagedserve.entrypoints.openai.rate_limits import RATE_LIMITED_ROUTES, ratelimit_headers, refusal_error
 from pagedserve.entrypoints.openai.request_context import (REQUEST_ID_HEADER, REQUEST_ID_PATTERN, SCOPE_KEY,
                                                            RequestContext, new_request_id)
+from pagedserve.logging_utils.request_log import RequestLog, RequestLogConfig, RequestRecord
 from pagedserve.metrics.prometheus import PrometheusStatLogger
 from pagedserve.tenants.rate_limiter import RateLimiter
 from pagedserve.tenants.registry import ANONYMOUS, TenantStore
@@ -34,9 +36,10 @@ REPLICA_HEADER = b"x-pagedserve-replica"
 
 class Gate:
     def __init__(self, app, max_body_bytes: int, metrics: PrometheusStatLogger, tenants: TenantStore,
-                 rate_limiter: RateLimiter) -> None:
+                 rate_limiter: RateLimiter, request_log: Optional[RequestLog] = None) -> None:
         self.app, self.max_body_bytes, self.metrics = app, max_body_bytes, metrics
         self.tenants, self.rate_limiter = tenants, rate_limiter
+        self.request_log = request_log or RequestLog(RequestLogConfig(enabled=False))
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -45,7 +48,7 @@ class Gate:
         given_id = headers.get(REQUEST_ID_HEADER.lower().encode())
         request_id = new_request_id() if given_id is None else given_id.decode("latin-1")
         valid_id = REQUEST_ID_PATTERN.fullmatch(request_id) is not None
-        status, ctx = [500], None
+        status, ctx, record = [500], None, RequestRecord()  # routes fill in the record via ctx
 
         async def send_with_headers(message) -> None:
             if message["type"] == "http.response.start":
@@ -55,7 +58,7 @@ class Gate:
             await send(message)
 
         try:
-            ctx, refused = self._admit(scope, headers, request_id, valid_id)
+            ctx, refused = self._admit(scope, headers, request_id, valid_id, record)
             if refused is not None:
                 return await refused(scope, receive, send_with_headers)
             scope[SCOPE_KEY] = ctx
@@ -64,16 +67,19 @@ class Gate:
             self._count(scope, ctx, status[0])
             if ctx is not None:
                 ctx.close()
+            self.request_log.write(request_id if valid_id else "invalid", ctx.tenant.name if ctx else None,
+                                   scope.get("method", ""), scope["path"], status[0], record,
+                                   ctx.replicas if ctx else [])
 
-    def _admit(self, scope, headers: dict, request_id: str,
-               valid_id: bool) -> tuple[Optional[RequestContext], Optional[JSONResponse]]:
+    def _admit(self, scope, headers: dict, request_id: str, valid_id: bool,
+               record: RequestRecord) -> tuple[Optional[RequestContext], Optional[JSONResponse]]:
         """The request's context, and the error response when it may not pass (None: it may)."""
         path = scope["path"]
         tenant = self._tenant(headers, path)
         if tenant is None:
             return None, error_response("Invalid or missing API key: send `Authorization: Bearer <key>`.", 401,
                                         code="invalid_api_key")
-        ctx = RequestContext(request_id, tenant)
+        ctx = RequestContext(request_id, tenant, record=record)
         if path not in OPEN_ROUTES:
             ctx.limiter = self.rate_limiter.for_tenant(tenant.name, tenant.limits)
             ctx.metrics = self.metrics.tenants

@@ -1,5 +1,6 @@
-"""What the gate (gate.py) learns about a request and hands to the routes: its id, its tenant, and the tenant's
-rate limiter with this request's share of it (a concurrency slot, a token reservation)."""
+"""What the gate (gate.py) learns about a request and hands to the routes: its id, its tenant, the tenant's
+rate limiter with this request's share of it (a concurrency slot, a token reservation), and the record the
+routes fill in for its access-log line."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Optional
 from starlette.requests import Request as HTTPRequest
 
 from pagedserve.entrypoints.openai.rate_limits import refusal_error
+from pagedserve.logging_utils.request_log import RequestRecord
 from pagedserve.metrics.prometheus import TenantMetrics
 from pagedserve.tenants.rate_limiter import TenantLimiter
 from pagedserve.tenants.registry import ANONYMOUS
@@ -38,6 +40,8 @@ class RequestContext:
     reserved_tokens: int = 0
     replicas: list[str] = field(default_factory=list)
     """The engine replicas that served it (scale-out on Ray), in order; sent as x-pagedserve-replica."""
+    record: RequestRecord = field(default_factory=RequestRecord)
+    """What its access-log line will say (logging_utils/request_log.py)."""
 
     def admit(self):
         """Take a concurrency slot and a request from the tenant's buckets; the Refusal when a limit says no."""

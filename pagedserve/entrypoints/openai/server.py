@@ -62,6 +62,8 @@ def _check_server_flags(args: argparse.Namespace) -> None:
         raise ValueError("--ssl-keyfile and --ssl-certfile go together: give both for HTTPS, or neither")
     if args.max_metric_tenants < 0:
         raise ValueError(f"--max-metric-tenants must be >= 0, got {args.max_metric_tenants}")
+    if args.max_log_len is not None and args.max_log_len < 0:
+        raise ValueError(f"--max-log-len must be >= 0, got {args.max_log_len}")
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -73,7 +75,9 @@ def serve(args: argparse.Namespace) -> int:
     async_llm = AsyncLLM.from_kwargs(max_num_queued_requests=args.max_num_queued_requests, **engine_kwargs(args))
     try:
         app = build_app(async_llm, args, tenants=tenants)
-        config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info", access_log=False,
+        # log_config=None: uvicorn's loggers propagate to the handler main() set up (--log-format applies)
+        config = uvicorn.Config(app, host=args.host, port=args.port, log_config=None,
+                                log_level=getattr(args, "log_level", "info"), access_log=False,
                                 timeout_graceful_shutdown=args.shutdown_timeout, lifespan="off",
                                 ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile)
         _Server(config, on_sighup=tenants.reload if tenants.keys_file else None).run()

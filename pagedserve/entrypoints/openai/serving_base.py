@@ -15,6 +15,7 @@ from pagedserve.core.request import RequestIdInUseError
 from pagedserve.engine.async_llm import AsyncLLM, EngineDeadError, QueueFullError
 from pagedserve.entrypoints.openai.errors import OpenAIError, from_value_error
 from pagedserve.entrypoints.openai.request_context import REQUEST_ID_HEADER, RequestContext
+from pagedserve.logging_utils.request_log import RequestRecord
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.structured_output.params import StructuredOutputsParams
@@ -41,6 +42,9 @@ class ServerConfig:
     max_metric_tenants: int = 32
     enable_auto_tool_choice: bool = False
     tool_call_parser: str = "hermes"
+    log_prompts: bool = False
+    """Keep prompt and completion text in the access log (--log-prompts); off: token counts only."""
+    max_log_len: Optional[int] = None
 
 
 class ClientDisconnected(Exception):
@@ -242,8 +246,19 @@ class ServingBase:
         on_done = None
         if lora_request is not None and self.lora_metrics is not None:
             on_done = lambda generated: self.lora_metrics.count(lora_request.lora_name, generated)  # noqa: E731
-        metered = _metered(merge_streams(gens), ctx, [len(ids) for _, ids in prompts], on_done)
+        self._start_record(ctx.record, model, lora_request, prompts, params)
+        metered = _metered(merge_streams(gens), ctx, [len(ids) for _, ids in prompts], on_done,
+                           n=params[0].n, keep_text=self.config.log_prompts)
         return metered if cached_tokens is None else _noting_cached_tokens(metered, cached_tokens)
+
+    def _start_record(self, record: RequestRecord, model: Optional[str], lora_request,
+                      prompts: list[tuple[Optional[str], list[int]]], params: list[SamplingParams]) -> None:
+        record.model = model or self.config.served_model_names[0]
+        record.lora_adapter = lora_request.lora_name if lora_request is not None else None
+        record.prompt_tokens = sum(len(ids) for _, ids in prompts)
+        record.num_choices = sum(p.n for p in params)
+        if self.config.log_prompts:
+            record.prompts = [text if text is not None else ids for text, ids in prompts]
 
 
 def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: dict[int, int]) -> dict:
@@ -254,25 +269,44 @@ def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: dict[i
 
 
 async def _metered(stream: AsyncIterator[tuple[int, RequestOutput]], ctx: RequestContext,
-                   prompt_lengths: list[int],
-                   on_done: Optional[Callable[[int], None]] = None) -> AsyncIterator[tuple[int, RequestOutput]]:
+                   prompt_lengths: list[int], on_done: Optional[Callable[[int], None]] = None,
+                   n: int = 1, keep_text: bool = False) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Counts the tokens a request really used (the prompts that produced output, and every generated token)
     and settles the tenant's reservation with them when the stream ends: finished, failed or abandoned;
-    `on_done(generated tokens)` is called then too (the per-adapter counters)."""
+    `on_done(generated tokens)` is called then too (the per-adapter counters). The request's access-log record
+    gets its first-token time, token counts and finish reasons (and its text, with `keep_text`)."""
     started: set[int] = set()
     generated = 0
+    record, cached = ctx.record, {}
     try:
         async for i, out in stream:
             if out.replica is not None:
                 ctx.replicas.append(out.replica)
             started.add(i)
-            generated += sum(len(c.token_ids) for c in out.outputs)
+            generated += _note_output(record, i * n, out, keep_text)
+            cached[i] = max(cached.get(i, 0), out.num_cached_tokens)
             yield i, out
     finally:
+        record.completion_tokens, record.cached_tokens = generated, sum(cached.values())
         ctx.finish_tokens(sum(prompt_lengths[i] for i in started), generated)
         if on_done is not None:
             on_done(generated)
         await stream.aclose()
+
+
+def _note_output(record: RequestRecord, first_choice: int, out: RequestOutput, keep_text: bool) -> int:
+    """Notes one delta (of the prompt whose choices start at `first_choice`) in the access-log record; returns
+    the tokens it generated."""
+    tokens = 0
+    for c in out.outputs:
+        tokens += len(c.token_ids)
+        if c.finish_reason is not None:
+            record.finish_reasons[first_choice + c.index] = c.finish_reason
+        if keep_text:
+            record.completions[first_choice + c.index] = record.completions.get(first_choice + c.index, "") + c.text
+    if tokens and record.first_token is None:
+        record.first_token = time.monotonic()
+    return tokens
 
 
 async def _noting_cached_tokens(stream: AsyncIterator[tuple[int, RequestOutput]],

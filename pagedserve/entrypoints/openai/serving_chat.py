@@ -112,9 +112,9 @@ class ServingChat(ServingBase):
                                       structured_outputs=await self._constraint(body, tools))
         ctx = request_context(http)
         priority = self.request_priority(ctx, body.priority)
-        if self.config.log_requests:
-            logger.info("request %s (tenant %s, model %s, priority %d): %d prompt tokens, %s", ctx.request_id,
-                        ctx.tenant.name, model, priority, len(ids), params)
+        ctx.record.stream = body.stream
+        logger.debug("request %s (tenant %s, model %s, priority %d): %d prompt tokens, %s", ctx.request_id,
+                     ctx.tenant.name, model, priority, len(ids), params)
         cached: dict[int, int] = {}
         stream = self.streams(ctx, [(text, ids)], [params], priority, self.cache_salt(ctx, body.cache_salt), cached,
                               model)

@@ -45,10 +45,10 @@ class ServingCompletion(ServingBase):
                   for _, ids in prompts]
         ctx = request_context(http)
         priority = self.request_priority(ctx, body.priority)
-        if self.config.log_requests:
-            logger.info("request %s (tenant %s, model %s, priority %d): %d prompt(s), %s prompt tokens, %s",
-                        ctx.request_id, ctx.tenant.name, model, priority, len(prompts),
-                        [len(ids) for _, ids in prompts], params[0])
+        ctx.record.stream = body.stream
+        logger.debug("request %s (tenant %s, model %s, priority %d): %d prompt(s), %s prompt tokens, %s",
+                     ctx.request_id, ctx.tenant.name, model, priority, len(prompts),
+                     [len(ids) for _, ids in prompts], params[0])
         cached: dict[int, int] = {}
         stream = self.streams(ctx, prompts, params, priority, self.cache_salt(ctx, body.cache_salt), cached,
                               model)

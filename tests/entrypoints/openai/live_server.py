@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -18,6 +22,7 @@ from pagedserve.entrypoints.engine_args import engine_kwargs
 from pagedserve.entrypoints.openai.api_server import build_app
 
 MODEL_NAME = "tiny"
+CLI = [sys.executable, "-m", "pagedserve.entrypoints.cli"]
 ENGINE_FLAGS = ["--dtype", "float32", "--kv-cache-memory-bytes", str(1 << 23), "--max-model-len", "256"]
 
 
@@ -84,6 +89,37 @@ def stream_across_signal(proc, url: str, sig) -> list[str]:
         first = next(line for line in lines if line.startswith("data:"))
         proc.send_signal(sig)
         return [first] + [line for line in lines if line.startswith("data:")]
+
+
+class ServeProcess:
+    """`pagedserve serve` in a subprocess, its output collected by a thread."""
+
+    def __init__(self, *args: str) -> None:
+        self.proc = subprocess.Popen([*CLI, "serve", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.lines: list[str] = []
+        threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True).start()
+
+    def wait_for_output(self, text: str, timeout: float = 30) -> None:
+        deadline = time.monotonic() + timeout
+        while not any(text in line for line in self.lines):
+            assert self.proc.poll() is None and time.monotonic() < deadline, f"no {text!r} in {self.lines}"
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def scrape(server, headers: dict | None = None) -> dict:

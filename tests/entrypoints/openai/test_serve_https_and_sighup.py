@@ -6,22 +6,17 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import json
-import os
 import signal
 import ssl
 import subprocess
-import sys
-import threading
-import time
 
 import httpx
 import openai
 import pytest
 
-from live_server import ENGINE_FLAGS
+from live_server import CLI, ENGINE_FLAGS, ServeProcess, free_port
 from pagedserve.tenants.tenant import hash_key
 
-CLI = [sys.executable, "-m", "pagedserve.entrypoints.cli"]
 
 
 def write_self_signed_certificate(folder) -> tuple[str, str]:
@@ -62,39 +57,6 @@ def keys_add(keys_file, name: str, *flags: str) -> str:
     assert done.returncode == 0, done.stderr
     [key] = done.stdout.split()
     return key
-
-
-class ServeProcess:
-    """`pagedserve serve` in a subprocess, its output collected by a thread."""
-
-    def __init__(self, *args: str) -> None:
-        self.proc = subprocess.Popen([*CLI, "serve", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        self.lines: list[str] = []
-        threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True).start()
-
-    def wait_for_output(self, text: str, timeout: float = 30) -> None:
-        deadline = time.monotonic() + timeout
-        while not any(text in line for line in self.lines):
-            assert self.proc.poll() is None and time.monotonic() < deadline, f"no {text!r} in {self.lines}"
-            time.sleep(0.02)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
