@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from pagedserve.entrypoints.config_file import expand_config_file
 from pagedserve.entrypoints.engine_args import add_engine_args, engine_kwargs
 
 
@@ -51,6 +52,21 @@ def _lora_module(text: str):
 def _add_serve(subparsers) -> None:
     p = subparsers.add_parser("serve", help="Run the OpenAI-compatible HTTP server (default model when --model is "
                               "omitted).", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    _add_serve_args(p)
+    p.set_defaults(func=_run_serve)
+
+
+def _serve_parser() -> argparse.ArgumentParser:
+    """`pagedserve serve`'s flags on their own (what --config files are checked against)."""
+    p = argparse.ArgumentParser(prog="pagedserve serve")
+    _add_serve_args(p)
+    return p
+
+
+def _add_serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", default=None, metavar="FILE",
+                   help="Read flags from this YAML file (keys: flag names without the dashes; true turns a switch "
+                        "on). Flags on the command line win.")
     p.add_argument("--host", default="127.0.0.1", help="Address to listen on (0.0.0.0 for every interface).")
     p.add_argument("--port", type=int, default=8000, help="Port to listen on.")
     p.add_argument("--api-key", action="append", default=None,
@@ -94,7 +110,6 @@ def _add_serve(subparsers) -> None:
                    help="Enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter (admin keys only).")
     _add_ray_args(p)
     add_engine_args(p)
-    p.set_defaults(func=_run_serve)
 
 
 def _add_log_args(p) -> None:
@@ -228,6 +243,12 @@ def main(argv: list[str] | None = None) -> int:
     from pagedserve.logging_utils import LoggingConfig, configure_logging
 
     argv = sys.argv[1:] if argv is None else argv
+    try:
+        if argv[:1] == ["serve"]:
+            argv = expand_config_file(_serve_parser(), argv)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     args = build_parser(keys_only=argv[:1] == ["keys"]).parse_args(argv)
     configure_logging(LoggingConfig(getattr(args, "log_level", "info"), getattr(args, "log_format", "text")))
     try:
