@@ -53,9 +53,13 @@ def _flag_args(path: str, key: str, value: Any, actions: dict) -> list[str]:
     action = actions.get(flag)
     if action is None or flag == CONFIG_FLAG:
         raise ValueError(f"--config {path}: {key!r} is not a flag of this command")
-    if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):  # noqa: SLF001
-        if not isinstance(value, bool):
-            raise ValueError(f"--config {path}: {key} is a switch: give true or false, not {value!r}")
+    switch = isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction,  # noqa: SLF001
+                                 argparse.BooleanOptionalAction))
+    if switch and not isinstance(value, bool):
+        raise ValueError(f"--config {path}: {key} is a switch: give true or false, not {value!r}")
+    if isinstance(action, argparse.BooleanOptionalAction):  # --enable-x / --no-enable-x
+        return [flag if value else "--no-" + flag[2:]]
+    if switch:
         return [flag] if value else []
     if isinstance(value, (dict, bool)) or value is None:
         raise ValueError(f"--config {path}: {key} takes a value or a list of values, not {value!r}")

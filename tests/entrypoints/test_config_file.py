@@ -15,11 +15,13 @@ def parse(argv):
 def test_a_config_file_sets_values_switches_lists_and_repeatable_flags(tmp_path):
     path = tmp_path / "config.yaml"
     path.write_text("port: 9000\nmax_model_len: 512\nlog-format: json\ndisable-log-requests: true\n"
-                    "log-prompts: false\nserved-model-name: [a, b]\napi-key: [k1, k2]\n")
+                    "log-prompts: false\nserved-model-name: [a, b]\napi-key: [k1, k2]\n"
+                    "enable-prefix-caching: false\nenable-lora: true\n")
     args = parse(["serve", "--config", str(path)])
     assert (args.port, args.max_model_len, args.log_format) == (9000, 512, "json")
     assert args.disable_log_requests and not args.log_prompts
     assert args.served_model_name == ["a", "b"] and args.api_key == ["k1", "k2"]
+    assert args.enable_prefix_caching is False and args.enable_lora is True
 
 
 def test_the_command_line_wins_over_the_file(tmp_path):
