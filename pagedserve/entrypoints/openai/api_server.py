@@ -186,7 +186,8 @@ def _add_info_routes(app: FastAPI, async_llm: AsyncLLM, args, config: ServerConf
     @app.get("/health")
     async def health():
         if async_llm.is_alive():
-            return Response(status_code=200)
+            # text/plain: a Prometheus job can scrape /health as a probe (an empty scrape; `up` is its status)
+            return Response(status_code=200, media_type="text/plain")
         return error_response("the engine loop is not running", 503, code="engine_dead")
 
     @app.get("/version")
