@@ -30,10 +30,23 @@ class LoggingConfig:
         return getattr(logging, self.level.upper())
 
 
+class StderrHandler(logging.StreamHandler):
+    """A stream handler on whatever sys.stderr is when a record is written (not the one at creation: a test
+    harness or a daemonizer may swap it, and the old one may be closed by then)."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value) -> None:
+        pass
+
+
 def configure_logging(config: LoggingConfig, process_name: str = "") -> None:
     """One stderr handler on the root logger, in the configured format (replacing any handler a library or an
     earlier call put there); uvicorn's loggers propagate to it (the server runs uvicorn with log_config=None)."""
-    handler = logging.StreamHandler(sys.stderr)
+    handler = StderrHandler()
     if config.format == "json":
         handler.setFormatter(JsonFormatter(process_name))
     else:

@@ -60,3 +60,16 @@ def test_an_unknown_level_or_format_is_a_value_error_naming_the_choices():
         LoggingConfig(level="verbose")
     with pytest.raises(ValueError, match="text, json"):
         LoggingConfig(format="xml")
+
+
+def test_the_handler_writes_to_the_stderr_of_the_moment_not_a_closed_one(restore_root_logging, monkeypatch):
+    import io
+
+    configure_logging(LoggingConfig("info", "json"))
+    first, second = io.StringIO(), io.StringIO()
+    monkeypatch.setattr("sys.stderr", first)
+    logging.getLogger("pagedserve.test").info("one")
+    first.close()  # as pytest closes a finished test's capture
+    monkeypatch.setattr("sys.stderr", second)
+    logging.getLogger("pagedserve.test").info("two")
+    assert json.loads(second.getvalue())["message"] == "two"
