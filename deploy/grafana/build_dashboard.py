@@ -38,6 +38,9 @@ ROWS = [
          "(429: a full queue or a rate limit; 503: the engine is dead or the server drains).",
          [(f'sum by (handler, status) (rate(http_requests_total{{{SERVER}, status=~"4..|5.."}}{RATE}))',
            "{{status}} {{handler}}")]),
+        ("Engine Restarts", "timeseries", "short", "Times the engine process died and was started again "
+         "(--restart-on-engine-failure), per interval.",
+         [(f"sum by (instance) (increase(pagedserve:engine_restarts_total{{{ENGINE}}}{RATE}))", "{{instance}}")]),
         ("Finish Reason", "timeseries", "short", "Finished requests per interval, by finish reason (stop: EOS or a "
          "stop string; length: max_tokens or the context).",
          [(f"sum by (finished_reason) (increase(pagedserve:request_success_total{{{ENGINE}}}{RATE}))",

@@ -28,6 +28,7 @@ from pagedserve.config import EngineConfig
 from pagedserve.core.request import RequestIdInUseError
 from pagedserve.engine.core_client import EngineCoreClient
 from pagedserve.engine.core_output import CoreInfo, QueueFullError
+from pagedserve.engine.core_restarter import CoreRestarter
 from pagedserve.engine.input_processor import InputProcessor, PromptType
 from pagedserve.engine.output_processor import OutputProcessor
 from pagedserve.metrics.stats import EngineStats, IterationStats, StatsTracker
@@ -82,7 +83,9 @@ class CoreFacts:
 
 class AsyncLLM(CoreFacts):
     def __init__(self, config: EngineConfig, max_num_queued_requests: Optional[int] = None,
-                 stat_loggers: Optional[list[StatLogger]] = None) -> None:
+                 stat_loggers: Optional[list[StatLogger]] = None, restart_on_failure: bool = False) -> None:
+        """`restart_on_failure`: when the engine-core process dies, start a new one (core_restarter.py);
+        `restart_listeners` are called with the restart count after each."""
         if max_num_queued_requests is not None and max_num_queued_requests < 0:
             raise ValueError(f"max_num_queued_requests must be >= 0, got {max_num_queued_requests}")
         self.max_num_queued_requests = max_num_queued_requests
@@ -97,6 +100,10 @@ class AsyncLLM(CoreFacts):
         self.config = config
         core_config = dataclasses.replace(
             config, model_config=dataclasses.replace(config.model_config, skip_tokenizer_init=True))
+        self._core_config = core_config
+        self.restart_listeners: list[Callable[[int], None]] = []
+        self._restarter = (CoreRestarter(self._start_core, self._adopt_core, self._restarted)
+                           if restart_on_failure else None)
         self._client = EngineCoreClient(core_config, self._on_outputs, self._on_dead)
         try:
             from pagedserve.loader.model_loader import load_tokenizer  # imports torch: after the core started
@@ -111,8 +118,14 @@ class AsyncLLM(CoreFacts):
         self.output_processor = OutputProcessor(self.tokenizer)
 
     @classmethod
-    def from_kwargs(cls, max_num_queued_requests: Optional[int] = None, **engine_kwargs) -> "AsyncLLM":
-        return cls(EngineConfig.from_kwargs(**engine_kwargs), max_num_queued_requests)
+    def from_kwargs(cls, max_num_queued_requests: Optional[int] = None, restart_on_failure: bool = False,
+                    **engine_kwargs) -> "AsyncLLM":
+        return cls(EngineConfig.from_kwargs(**engine_kwargs), max_num_queued_requests,
+                   restart_on_failure=restart_on_failure)
+
+    @property
+    def num_restarts(self) -> int:
+        return self._restarter.restarts if self._restarter is not None else 0
 
     def is_alive(self) -> bool:
         return self._dead_reason is None and not self._shutting_down and self._client.is_alive()
@@ -197,10 +210,53 @@ class AsyncLLM(CoreFacts):
             self._tracker.drop(request_id)
         self._client.send(("abort", children))
 
+    def inject_fault(self, fault: str) -> None:
+        """Make the engine core fail, to test recovery: "step_error" (its next step raises) or "kill" (its
+        process is killed now)."""
+        if fault == "kill":
+            self._client.process.kill()
+        elif fault == "step_error":
+            self._client.send(("fault", fault))
+        else:
+            raise ValueError(f"fault must be step_error or kill, got {fault!r}")
+
     def shutdown(self, timeout: Optional[float] = 10.0) -> None:
         """Abort everything still running, stop the engine core and wait for it."""
         self._shutting_down = True
-        self._client.shutdown(timeout)
+        if self._restarter is not None:
+            self._restarter.stop()
+        with self._lock:
+            client = self._client
+        client.shutdown(timeout)
+
+    # -- restarts (core_restarter.py) ------------------------------------------------------------------------
+
+    def _start_core(self) -> EngineCoreClient:
+        client = EngineCoreClient(self._core_config, self._on_outputs, self._on_dead)
+        try:
+            client.wait_ready()
+        except BaseException:
+            client.shutdown(timeout=5)
+            raise
+        return client
+
+    def _adopt_core(self, client: EngineCoreClient) -> bool:
+        with self._lock:
+            if not self._shutting_down:
+                old, self._client = self._client, client
+                self._dead_reason = None
+        if self._client is not client:
+            client.shutdown(timeout=5)
+            return False
+        old.shutdown(timeout=1)  # its process is gone: this joins its threads and closes its pipe
+        return True
+
+    def _restarted(self, count: int) -> None:
+        for listener in self.restart_listeners:
+            try:
+                listener(count)
+            except Exception:  # noqa: BLE001 - metrics must never take the engine down
+                logger.exception("restart listener failed")
 
     # -- the reader thread ---------------------------------------------------------------------------------
 
@@ -249,3 +305,5 @@ class AsyncLLM(CoreFacts):
         self.stats = EngineStats()
         for _, target in targets:
             target.put(error)
+        if self._restarter is not None and not self._shutting_down:
+            self._restarter.core_died()

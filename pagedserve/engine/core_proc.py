@@ -5,7 +5,8 @@
     CoreClient reader thread   <----pickled---- ("outputs", [EngineCoreOutput], EngineStats, rejections)
 
 Messages in: ("add", parent_id, [Request], max_num_waiting), ("abort", [child ids]),
-("stop", child_id, stop_string), ("call", call_id, method name, args), ("shutdown",).
+("stop", child_id, stop_string), ("call", call_id, method name, args), ("fault", "step_error") (the next step
+raises: fault injection), ("shutdown",).
 Messages out: ("ready", CoreInfo) or ("failed", traceback text) once, then ("outputs", outputs, stats,
 rejections) after every step or rejected add (rejections: [(request id, exception)], the parent's id for a
 rejected add, a child's for a request the core gave up on while queued) and ("reply", call_id,
@@ -48,11 +49,19 @@ def run_engine_core(config: EngineConfig, conn: Connection,
         _loop(core, conn)
     except (EOFError, BrokenPipeError, ConnectionResetError):
         logger.info("front end gone; engine core exits")
+    except Exception:  # noqa: BLE001 - the front end sees the pipe close (EngineDeadError, maybe a restart)
+        logger.exception("engine core failed; exiting")
+        raise SystemExit(1)
     finally:
         core.shutdown()
 
 
+class InjectedFault(RuntimeError):
+    """A failure a front end asked for (AsyncLLM.inject_fault), to test what follows an engine crash."""
+
+
 def _loop(core, conn: Connection) -> None:
+    faults: set[str] = set()
     while True:
         rejections: list = []
         if not core.has_unfinished_requests():
@@ -62,7 +71,12 @@ def _loop(core, conn: Connection) -> None:
             if message[0] == "shutdown":
                 core.finish_requests(list(core.scheduler.requests))
                 return
+            if message[0] == "fault":
+                faults.add(message[1])
+                continue
             _apply(core, conn, message, rejections)
+        if "step_error" in faults and core.has_unfinished_requests():
+            raise InjectedFault("a step failed (fault injected by the front end)")
         outputs = core.step() if core.has_unfinished_requests() else []
         rejections += core.take_rejected()  # child ids: the front end finds their parent
         # Every pass either stepped or applied messages: the front end gets the outputs and fresh gauges.

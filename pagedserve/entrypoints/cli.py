@@ -93,6 +93,12 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="Larger request bodies get 413.")
     p.add_argument("--shutdown-timeout", type=float, default=10.0,
                    help="On SIGTERM/SIGINT: seconds in-flight requests may take to finish before they are aborted.")
+    p.add_argument("--restart-on-engine-failure", action=argparse.BooleanOptionalAction, default=True,
+                   help="When the engine process dies, start a new one and serve again (requests in flight get "
+                        "503; /health is 503 until it is back; counted in pagedserve:engine_restarts_total).")
+    p.add_argument("--enable-fault-injection", action="store_true",
+                   help="Add the admin route POST /debug/inject_fault ({\"fault\": \"step_error\"} or "
+                        "\"kill\"), which makes the engine fail, to test recovery. Not for production.")
     p.add_argument("--disable-log-requests", action="store_true",
                    help="Do not write the access log (a line per request, when its response is over).")
     _add_log_args(p)

@@ -132,6 +132,8 @@ class PrometheusStatLogger:
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests that started generating.")
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
         self.num_preemptions = counter("num_preemptions", "Requests preempted (by recompute).")
+        self.engine_restarts = counter("engine_restarts", "Times the engine process died and was started again "
+                                       "(--restart-on-engine-failure).")
         self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self._request_success = Counter("pagedserve:request_success", "Requests finished, by finish reason.",

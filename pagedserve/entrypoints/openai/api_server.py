@@ -27,7 +27,7 @@ from pagedserve.entrypoints.openai.errors import OpenAIError, error_response, fr
 from pagedserve.entrypoints.openai.gate import ADMIN_ROUTES, OPEN_ROUTES, ROUTES, Gate  # noqa: F401 - re-exported
 from pagedserve.entrypoints.openai.lora_modules import LoRAModules
 from pagedserve.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                                    LoadLoRAAdapterRequest, TokenizeRequest,
+                                                    InjectFaultRequest, LoadLoRAAdapterRequest, TokenizeRequest,
                                                     UnloadLoRAAdapterRequest)
 from pagedserve.entrypoints.openai.serving_base import ClientDisconnected, ServerConfig
 from pagedserve.entrypoints.openai.serving_chat import ServingChat
@@ -137,6 +137,8 @@ def build_app(async_llm: AsyncLLM, args, metrics: Optional[PrometheusStatLogger]
     if getattr(async_llm, "info", None) is not None:
         metrics.log_cache_config(async_llm.info)
     async_llm.stat_loggers.append(metrics)
+    if hasattr(async_llm, "restart_listeners"):
+        async_llm.restart_listeners.append(lambda _count: metrics.engine_restarts.inc())
     app = FastAPI(title="pagedserve", version=pagedserve.__version__, docs_url=None, redoc_url=None,
                   openapi_url=None)
     app.state.async_llm, app.state.config, app.state.metrics = async_llm, config, metrics
@@ -148,6 +150,8 @@ def build_app(async_llm: AsyncLLM, args, metrics: Optional[PrometheusStatLogger]
     _add_admin_routes(app, async_llm)
     if getattr(args, "allow_runtime_lora_updating", False):
         _add_lora_routes(app, config, lora_modules)
+    if getattr(args, "enable_fault_injection", False):
+        _add_fault_route(app, async_llm, config)
     request_log = RequestLog(RequestLogConfig(config.log_requests, config.log_prompts, config.max_log_len))
     app.add_middleware(Gate, max_body_bytes=config.max_body_bytes, metrics=metrics, tenants=tenants,
                        rate_limiter=rate_limiter, request_log=request_log)
@@ -273,3 +277,18 @@ def _add_lora_routes(app: FastAPI, config: ServerConfig, lora_modules: LoRAModul
         body = await _read_json(request, config, UnloadLoRAAdapterRequest)
         await lora_modules.unload(body.lora_name)
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
+
+
+def _add_fault_route(app: FastAPI, async_llm: AsyncLLM, config: ServerConfig) -> None:
+    """POST /debug/inject_fault (--enable-fault-injection; admin keys only): make the engine fail, to test what
+    the server does then (503s, /health, --restart-on-engine-failure)."""
+
+    @app.post("/debug/inject_fault")
+    async def inject_fault(request: Request):
+        body = await _read_json(request, config, InjectFaultRequest)
+        if not hasattr(async_llm, "inject_fault"):
+            raise OpenAIError("this engine cannot inject faults (scale-out on Ray: kill a replica instead)", 400)
+        if not async_llm.is_alive():
+            raise OpenAIError("the engine is not running", 503, code="engine_dead")
+        async_llm.inject_fault(body.fault)
+        return {"fault": body.fault}

@@ -24,11 +24,12 @@ from pagedserve.tenants.registry import ANONYMOUS, TenantStore
 from pagedserve.tenants.tenant import Tenant
 
 ROUTES = ("/health", "/version", "/metrics", "/tokenize", "/detokenize", "/v1/models", "/v1/completions",
-          "/v1/chat/completions", "/reset_prefix_cache", "/v1/load_lora_adapter", "/v1/unload_lora_adapter")
+          "/v1/chat/completions", "/reset_prefix_cache", "/v1/load_lora_adapter", "/v1/unload_lora_adapter",
+          "/debug/inject_fault")
 """Routes counted under their own name in http_requests_total (anything else is "other")."""
 OPEN_ROUTES = ("/health",)
 """Routes that never need a key."""
-ADMIN_ROUTES = ("/reset_prefix_cache", "/v1/load_lora_adapter", "/v1/unload_lora_adapter")
+ADMIN_ROUTES = ("/reset_prefix_cache", "/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/debug/inject_fault")
 """Routes for admin-scope keys only (403 for a user key). Every admin route joins this list."""
 REPLICA_HEADER = b"x-pagedserve-replica"
 """Names the engine replica(s) that served a generation request (Ray scale-out only)."""

@@ -141,3 +141,10 @@ class LoadLoRAAdapterRequest(_Body):
 class UnloadLoRAAdapterRequest(_Body):
     lora_name: str = Field(min_length=1)
     lora_int_id: Optional[int] = None  # vLLM's body may carry it; the name decides here
+
+
+class InjectFaultRequest(_Body):
+    """POST /debug/inject_fault (--enable-fault-injection): step_error makes the engine's next step raise;
+    kill kills the engine process."""
+
+    fault: Literal["step_error", "kill"]

@@ -72,7 +72,8 @@ def serve(args: argparse.Namespace) -> int:
     if tenants.keys_file is not None:
         logger.info("keys file %s: %d tenant(s): %s (SIGHUP re-reads it)", tenants.keys_file,
                     len(tenants.registry.names()), ", ".join(tenants.registry.names()))
-    async_llm = AsyncLLM.from_kwargs(max_num_queued_requests=args.max_num_queued_requests, **engine_kwargs(args))
+    async_llm = AsyncLLM.from_kwargs(max_num_queued_requests=args.max_num_queued_requests,
+                                     restart_on_failure=args.restart_on_engine_failure, **engine_kwargs(args))
     try:
         app = build_app(async_llm, args, tenants=tenants)
         # log_config=None: uvicorn's loggers propagate to the handler main() set up (--log-format applies)

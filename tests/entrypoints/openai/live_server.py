@@ -55,12 +55,15 @@ class LiveServer:
         self.async_llm.shutdown()
 
 
-def start_server(model_dir: str, *flags: str, log_requests: bool = False, **app_kwargs) -> LiveServer:
-    """A server with these `pagedserve serve` flags; `app_kwargs` go to build_app (e.g. a rate_limiter)."""
+def start_server(model_dir: str, *flags: str, log_requests: bool = False, restart_on_failure: bool = False,
+                 **app_kwargs) -> LiveServer:
+    """A server with these `pagedserve serve` flags; `app_kwargs` go to build_app (e.g. a rate_limiter). Its
+    engine is not restarted when it dies unless `restart_on_failure` (`pagedserve serve` restarts by default)."""
     quiet = [] if log_requests else ["--disable-log-requests"]
     args = build_parser().parse_args(["serve", "--model", model_dir, "--served-model-name", MODEL_NAME, "other-name",
                                       *quiet, *ENGINE_FLAGS, *flags])
-    async_llm = AsyncLLM.from_kwargs(max_num_queued_requests=args.max_num_queued_requests, **engine_kwargs(args))
+    async_llm = AsyncLLM.from_kwargs(max_num_queued_requests=args.max_num_queued_requests,
+                                     restart_on_failure=restart_on_failure, **engine_kwargs(args))
     try:
         app = build_app(async_llm, args, **app_kwargs)
     except BaseException:
