@@ -9,6 +9,7 @@ from typing import Union
 from pagedserve.distributed.config import RayConfig, check_ray_args
 from pagedserve.distributed.serve_args import serve_args
 from pagedserve.entrypoints.engine_args import engine_kwargs
+from pagedserve.logging_utils import LoggingConfig
 
 APP_NAME = "pagedserve"
 
@@ -45,7 +46,7 @@ def build_app(args: Union[argparse.Namespace, dict, None] = None, **overrides):
                                    "index_capacity": router.index_capacity}),
         **ray_config.scaling_options(),
     ).bind(engine_kwargs(args), args.max_num_queued_requests, server_config(args).served_model_names[0], board,
-           list(args.lora_modules or []))
+           list(args.lora_modules or []), LoggingConfig(args.log_level, args.log_format))
     return serve.deployment(OpenAIIngress, name="OpenAIIngress", ray_actor_options={"num_cpus": 0},
                             max_ongoing_requests=1 << 16, graceful_shutdown_timeout_s=ray_config.shutdown_timeout,
                             logging_config=quiet,

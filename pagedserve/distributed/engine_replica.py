@@ -14,6 +14,7 @@ from pagedserve.distributed.replica_board import REPORT_PERIOD_S
 from pagedserve.distributed.replica_error import ReplicaError
 from pagedserve.engine.async_llm import AsyncLLM, EngineDeadError, QueueFullError
 from pagedserve.entrypoints.openai.lora_modules import LoRAModules
+from pagedserve.logging_utils import LoggingConfig, configure_logging
 from pagedserve.metrics.prometheus import PrometheusStatLogger
 
 logger = logging.getLogger(__name__)
@@ -21,7 +22,9 @@ logger = logging.getLogger(__name__)
 
 class EngineReplica:
     def __init__(self, engine_kwargs: dict, max_num_queued_requests: Optional[int], model_name: str, board,
-                 lora_modules: Optional[list] = None) -> None:
+                 lora_modules: Optional[list] = None, logging_config: Optional[LoggingConfig] = None) -> None:
+        # Before the engine starts: its core process logs as this one does (current_logging()).
+        configure_logging(logging_config or LoggingConfig(), process_name="engine replica")
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.async_llm = AsyncLLM.from_kwargs(max_num_queued_requests=max_num_queued_requests, **engine_kwargs)
         lora = self.async_llm.config.lora_config

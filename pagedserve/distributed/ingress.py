@@ -13,6 +13,7 @@ from pagedserve.distributed.remote_engine import RemoteEngine
 from pagedserve.entrypoints.engine_args import engine_kwargs
 from pagedserve.entrypoints.openai.api_server import build_app, server_config
 from pagedserve.entrypoints.openai.errors import error_response
+from pagedserve.logging_utils import LoggingConfig, configure_logging
 from pagedserve.metrics.prometheus import PrometheusStatLogger
 
 
@@ -20,6 +21,8 @@ from pagedserve.metrics.prometheus import PrometheusStatLogger
 class OpenAIIngress:
     async def __init__(self, args, engine, board) -> None:
         self.args = args
+        # A Ray worker's root logger has no handler: without this the access log would be dropped.
+        configure_logging(LoggingConfig(args.log_level, args.log_format), process_name="ingress")
         config = EngineConfig.from_kwargs(**engine_kwargs(args))
         self.engine = await RemoteEngine.connect(engine, board, config)
 

@@ -256,6 +256,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     args = build_parser(keys_only=argv[:1] == ["keys"]).parse_args(argv)
+    if getattr(args, "config", None) is not None:  # expand_config_file took the one it knows
+        print("error: give --config once, spelled out in full", file=sys.stderr)
+        return 2
     configure_logging(LoggingConfig(getattr(args, "log_level", "info"), getattr(args, "log_format", "text")))
     try:
         return args.func(args)

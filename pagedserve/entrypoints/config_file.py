@@ -1,8 +1,8 @@
 """`pagedserve serve --config FILE`: flags from a YAML file (vLLM's --config), e.g. a Kubernetes ConfigMap.
 
 Keys are the long flag names without the dashes (`max-model-len` or `max_model_len`); `true` turns a switch on,
-a list gives a flag that takes several values (or a repeatable one) its values. Flags given on the command line
-win over the file's.
+a list gives a flag that takes several values (or a repeatable one) its values; quote values YAML would read as
+numbers (`api-key: "0123"`). A flag given on the command line replaces the file's, repeatable ones included.
 """
 
 from __future__ import annotations
@@ -33,8 +33,23 @@ def expand_config_file(parser: argparse.ArgumentParser, argv: list[str]) -> list
     if not isinstance(values, dict):
         raise ValueError(f"--config {path} must be a mapping of flag names to values")
     actions = {opt: a for a in parser._actions for opt in a.option_strings}  # noqa: SLF001 - argparse's own table
+    given = {actions[a.split("=", 1)[0]].dest for a in rest if a.split("=", 1)[0] in actions}
     flags = [arg for key, value in values.items() for arg in _flag_args(path, str(key), value, actions)]
+    # A flag the command line gives replaces the file's value(s), repeatable ones (--api-key) included.
+    flags = _without(flags, given, actions)
     return rest[:1] + flags + rest[1:]
+
+
+def _without(flags: list[str], dests: set[str], actions: dict) -> list[str]:
+    """`flags` (as _flag_args made them: each flag followed by its values) less those of the given dests."""
+    out, keep = [], True
+    for arg in flags:
+        action = actions.get(arg.split("=", 1)[0]) if arg.startswith("--") else None
+        if action is not None:
+            keep = action.dest not in dests
+        if keep:
+            out.append(arg)
+    return out
 
 
 def _take_config_flag(argv: list[str]) -> tuple[list[str], str]:
@@ -65,7 +80,9 @@ def _flag_args(path: str, key: str, value: Any, actions: dict) -> list[str]:
         raise ValueError(f"--config {path}: {key} takes a value or a list of values, not {value!r}")
     items = [str(v) for v in value] if isinstance(value, list) else [str(value)]
     if isinstance(action, argparse._AppendAction):  # noqa: SLF001 - a repeatable flag: once per value
-        return [arg for item in items for arg in (flag, item)]
-    if len(items) > 1 and action.nargs not in ("+", "*"):
+        return [f"{flag}={item}" for item in items]
+    if action.nargs in ("+", "*"):
+        return [flag, *items]
+    if len(items) > 1:
         raise ValueError(f"--config {path}: {key} takes one value, got {len(items)}")
-    return [flag, *items]
+    return [f"{flag}={items[0]}"]  # `=`: a value that starts with "-" stays a value

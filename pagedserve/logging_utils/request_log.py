@@ -36,12 +36,14 @@ class RequestRecord:
     completions: dict[int, str] = field(default_factory=dict)
     """choice index -> text so far; kept only with --log-prompts"""
 
-    def finish_reason(self) -> Optional[str]:
+    def finish_reason(self, status: int = 200) -> Optional[str]:
         """One finish reason for the request: the choices' when they agree, else theirs in order, joined by
-        commas; "abort" for choices that ended without one (a client that went away)."""
+        commas; for choices that ended without one, "abort" (the client went away) or, when the response was an
+        error (`status` 400 or more: the engine died, the queue was full), "error"."""
         if not self.num_choices:
             return None
-        reasons = [self.finish_reasons.get(i, "abort") for i in range(self.num_choices)]
+        unfinished = "error" if status >= 400 else "abort"
+        reasons = [self.finish_reasons.get(i, unfinished) for i in range(self.num_choices)]
         return reasons[0] if len(set(reasons)) == 1 else ",".join(reasons)
 
 
@@ -68,16 +70,17 @@ class RequestLog:
         fields = {"request_id": request_id, "tenant": tenant, "method": method, "path": path, "status": status,
                   "e2e_s": round(now - record.arrival, 6)}
         if record.model is not None:
-            fields.update(self._generation_fields(record))
+            fields.update(self._generation_fields(record, status))
         if replicas:
             fields["replicas"] = replicas
         logger.info(_text(fields), extra={FIELDS_ATTR: fields})
 
-    def _generation_fields(self, record: RequestRecord) -> dict:
+    def _generation_fields(self, record: RequestRecord, status: int) -> dict:
         ttft = None if record.first_token is None else round(record.first_token - record.arrival, 6)
         fields = {"model": record.model, "lora_adapter": record.lora_adapter, "stream": record.stream,
                   "prompt_tokens": record.prompt_tokens, "completion_tokens": record.completion_tokens,
-                  "cached_tokens": record.cached_tokens, "ttft_s": ttft, "finish_reason": record.finish_reason()}
+                  "cached_tokens": record.cached_tokens, "ttft_s": ttft,
+                  "finish_reason": record.finish_reason(status)}
         if self.config.log_prompts:
             fields["prompt"] = [self._clip(p) for p in record.prompts]
             fields["completion"] = [self._clip(record.completions.get(i, "")) for i in range(record.num_choices)]

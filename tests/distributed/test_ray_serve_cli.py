@@ -45,7 +45,7 @@ def start(model_dir: str, port: int, *flags: str) -> subprocess.Popen:
 
 def test_sigterm_drains_the_streams_in_flight_and_exits_0(tiny_llama_dir):
     port = free_port()
-    proc = start(tiny_llama_dir, port, "--num-replicas", "2")
+    proc = start(tiny_llama_dir, port, "--num-replicas", "2", "--log-format", "json")
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(proc, url)
@@ -55,6 +55,9 @@ def test_sigterm_drains_the_streams_in_flight_and_exits_0(tiny_llama_dir):
         assert proc.wait(90) == 0
         out = proc.stdout.read().decode()
         assert f"pagedserve is ready on Ray Serve: http://127.0.0.1:{port}/v1 (2 engine replica(s)" in out
+        # the ingress's access log, as JSON, forwarded by Ray from its worker
+        [access] = [line[line.index("{"):] for line in out.splitlines() if '"logger": "pagedserve.requests"' in line]
+        assert json.loads(access)["completion_tokens"] == 200 and json.loads(access)["status"] == 200
         with pytest.raises(httpx.TransportError):
             httpx.get(url + "/health", timeout=5)
     finally:

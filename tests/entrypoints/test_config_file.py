@@ -50,3 +50,25 @@ def test_a_bad_config_file_is_a_value_error_naming_the_file_and_key(tmp_path, te
 def test_serve_with_a_missing_config_file_exits_2_naming_it(tmp_path, capsys):
     assert main(["serve", "--config", str(tmp_path / "nope.yaml")]) == 2
     assert "nope.yaml" in capsys.readouterr().err
+
+
+def test_a_repeatable_flag_on_the_command_line_replaces_the_files_values(tmp_path):
+    path = tmp_path / "config.yaml"
+    path.write_text("api-key: [file-key]\nserved-model-name: [a, b]\nport: 9000\n")
+    args = parse(["serve", "--config", str(path), "--api-key", "cli-key", "--served-model-name", "c"])
+    assert args.api_key == ["cli-key"] and args.served_model_name == ["c"] and args.port == 9000
+
+
+def test_a_value_that_starts_with_a_dash_stays_a_value(tmp_path):
+    path = tmp_path / "config.yaml"
+    path.write_text("api-key: [-secret]\nhost: -weird\n")
+    args = parse(["serve", "--config", str(path)])
+    assert args.api_key == ["-secret"] and args.host == "-weird"
+
+
+@pytest.mark.parametrize("argv", [["--conf", "X"], ["--config", "X", "--config", "X"]])
+def test_an_abbreviated_or_repeated_config_flag_is_an_error_not_ignored(tmp_path, capsys, argv):
+    path = tmp_path / "config.yaml"
+    path.write_text("port: 9000\n")
+    assert main(["serve", *[str(path) if a == "X" else a for a in argv]]) == 2
+    assert "--config once" in capsys.readouterr().err

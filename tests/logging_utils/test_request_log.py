@@ -12,6 +12,7 @@ def test_finish_reason_is_the_choices_own_when_they_agree_else_in_order_with_abo
     assert record.finish_reason() == "stop"
     record.finish_reasons = {0: "length", 2: "stop"}
     assert record.finish_reason() == "length,abort,stop"
+    assert record.finish_reason(status=503) == "length,error,stop"
     assert RequestRecord().finish_reason() is None
 
 

@@ -285,9 +285,10 @@ async def _metered(stream: AsyncIterator[tuple[int, RequestOutput]], ctx: Reques
             started.add(i)
             generated += _note_output(record, i * n, out, keep_text)
             cached[i] = max(cached.get(i, 0), out.num_cached_tokens)
+            # As it goes, not only at the end: an abandoned stream may be closed after its log line is written.
+            record.completion_tokens, record.cached_tokens = generated, sum(cached.values())
             yield i, out
     finally:
-        record.completion_tokens, record.cached_tokens = generated, sum(cached.values())
         ctx.finish_tokens(sum(prompt_lengths[i] for i in started), generated)
         if on_done is not None:
             on_done(generated)

@@ -57,6 +57,18 @@ def test_a_streamed_chat_with_n_2_counts_both_choices(logged, caplog):
     assert rec.fields["finish_reason"] == "length"
 
 
+def test_several_prompts_with_n_2_log_each_choices_finish_reason_in_order(logged, caplog):
+    prompts = [PROMPT, "Short"]
+    with caplog.at_level(logging.INFO, logger="pagedserve.requests"):
+        r = httpx.post(logged.url + "/v1/completions", headers={"X-Request-Id": "log-9"}, timeout=60,
+                       json={"prompt": prompts, "n": 2, "max_tokens": 5, "temperature": 0, "stop": ["zz"],
+                             "ignore_eos": True})
+        [rec] = access_records(caplog, "log-9")
+    choices = sorted(r.json()["choices"], key=lambda c: c["index"])
+    assert rec.fields["finish_reason"] == "length" and len(choices) == 4
+    assert rec.fields["completion_tokens"] == r.json()["usage"]["completion_tokens"] == 20
+
+
 def test_a_refused_request_is_logged_with_its_status_and_probes_are_not(logged, caplog):
     with caplog.at_level(logging.INFO, logger="pagedserve.requests"):
         bad = httpx.post(logged.url + "/v1/completions", headers={"X-Request-Id": "log-3"},
