@@ -55,15 +55,22 @@ def alert_operands(expr: str) -> list[str]:
     return [THRESHOLD.sub("", part).strip() for part in expr.split(" and ")]
 
 
+ADAPTER_TEST_LABELS = {"namespace": "ns", "pod": "pagedserve-0"}
+"""The labels the live test's Prometheus adds to its target, as the operator's per-pod scrape does."""
+
+
 def autoscaler_queries() -> list[tuple[str, str]]:
-    """(source, PromQL) of the KEDA trigger and the prometheus-adapter rule (with its template filled in)."""
+    """(source, PromQL) of the KEDA trigger, and of the prometheus-adapter rule as the adapter runs it: its
+    series query (discovery), and its metrics query with the template filled in for one pod."""
     keda = load_yaml(os.path.join(KUBERNETES, "autoscaling", "keda", "scaledobject.yaml"))
     out = [("keda", trigger["metadata"]["query"]) for trigger in keda["spec"]["triggers"]]
     adapter = load_yaml(os.path.join(KUBERNETES, "autoscaling", "hpa", "prometheus-adapter-values.yaml"))
+    matchers = ",".join(f'{k}="{v}"' for k, v in ADAPTER_TEST_LABELS.items())
     for rule in adapter["rules"]["custom"]:
-        query = (rule["metricsQuery"].replace("<<.Series>>", rule["seriesQuery"].split("{")[0])
-                 .replace("<<.LabelMatchers>>", "").replace("<<.GroupBy>>", "instance").replace("{}", ""))
-        out.append(("prometheus-adapter", query))
+        out.append(("prometheus-adapter series", rule["seriesQuery"]))
+        out.append(("prometheus-adapter metrics", rule["metricsQuery"]
+                    .replace("<<.Series>>", rule["seriesQuery"].split("{")[0])
+                    .replace("<<.LabelMatchers>>", matchers).replace("<<.GroupBy>>", "pod")))
     return out
 
 

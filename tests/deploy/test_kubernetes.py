@@ -13,7 +13,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from deploy_files import KUBERNETES, load_yaml
+from deploy_files import KUBERNETES, PROMETHEUS_DIR, load_yaml
 from kustomize_render import render
 from pagedserve.entrypoints.cli import _serve_parser, build_parser
 from pagedserve.entrypoints.config_file import expand_config_file
@@ -36,7 +36,8 @@ def objects(name: str) -> dict[tuple[str, str], dict]:
 def test_an_overlay_renders_the_deployment_service_config_secret_pdb_and_autoscaler(name):
     assert set(objects(name)) == {("ConfigMap", "pagedserve-config"), ("Secret", "pagedserve-api-keys"),
                                   ("Deployment", "pagedserve"), ("Service", "pagedserve"),
-                                  ("PodDisruptionBudget", "pagedserve"), ("ScaledObject", "pagedserve")}
+                                  ("PodDisruptionBudget", "pagedserve"), ("ScaledObject", "pagedserve"),
+                                  ("PodMonitor", "pagedserve")}
 
 
 @pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl is not installed: the renderer is checked "
@@ -55,7 +56,8 @@ def test_every_built_in_object_validates_against_the_kubernetes_schemas(name):
         if obj["apiVersion"] in BUILT_IN:
             kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
         else:
-            assert (kind, obj["apiVersion"]) == ("ScaledObject", "keda.sh/v1alpha1")  # a CRD: checked below
+            assert (kind, obj["apiVersion"]) in (("ScaledObject", "keda.sh/v1alpha1"),  # CRDs: checked below
+                                                 ("PodMonitor", "monitoring.coreos.com/v1"))
 
 
 def test_the_hpa_alternative_validates_and_targets_the_deployment():
@@ -111,3 +113,31 @@ def test_the_secret_is_a_keys_file_the_server_accepts(tmp_path):
 def test_the_gpu_overlay_asks_for_a_gpu_and_the_cuda_image():
     container = objects("gpu")[("Deployment", "pagedserve")]["spec"]["template"]["spec"]["containers"][0]
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 1 and container["image"] == "pagedserve:cuda"
+
+
+def test_the_pod_monitor_scrapes_each_pod_under_the_job_names_the_rules_use():
+    rendered = objects("cpu")
+    monitor, deployment = rendered[("PodMonitor", "pagedserve")], rendered[("Deployment", "pagedserve")]
+    pod = deployment["spec"]["template"]
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    ports = {p["name"] for p in pod["spec"]["containers"][0]["ports"]}
+    endpoints = {e["path"]: e for e in monitor["spec"]["podMetricsEndpoints"]}
+    assert set(endpoints) == {"/metrics", "/health"} and all(e["port"] in ports for e in endpoints.values())
+    jobs = {path: [r["replacement"] for r in e["relabelings"] if r["targetLabel"] == "job"]
+            for path, e in endpoints.items()}
+    scrape_jobs = {j["job_name"]: j["metrics_path"] for j in load_yaml(os.path.join(PROMETHEUS_DIR,
+                                                                                    "prometheus.yml"))["scrape_configs"]}
+    assert {path: job for path, [job] in jobs.items()} == {path: job for job, path in scrape_jobs.items()}
+    assert endpoints["/metrics"]["authorization"]["credentials"]["name"] == "pagedserve-scrape-key"
+
+
+def test_every_path_the_pod_writes_is_a_mounted_volume():
+    container = objects("cpu")[("Deployment", "pagedserve")]["spec"]["template"]["spec"]["containers"][0]
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    env = {e["name"]: e["value"] for e in container["env"]}
+    writable = {m["mountPath"] for m in container["volumeMounts"] if not m.get("readOnly")}
+    assert {env["PAGEDSERVE_CACHE_DIR"], env["HOME"], "/tmp"} <= writable
+
+
+def test_the_autoscaled_deployment_sets_no_replica_count():
+    assert "replicas" not in objects("cpu")[("Deployment", "pagedserve")]["spec"]

@@ -18,8 +18,9 @@ import yaml
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "entrypoints", "openai"))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "lora"))
 
-from deploy_files import (PROMETHEUS_DIR, RULE_FILES, alert_operands, autoscaler_queries, dashboard_queries,  # noqa: E402
-                          exported_names, load_yaml, rules, tool, unknown_metrics)
+from deploy_files import (ADAPTER_TEST_LABELS, PROMETHEUS_DIR, RULE_FILES, alert_operands,  # noqa: E402
+                          autoscaler_queries, dashboard_queries, exported_names, load_yaml, rules, tool,
+                          unknown_metrics)
 from live_server import free_port, start_server  # noqa: E402
 from peft_adapters import make_adapter  # noqa: E402
 from test_api_keys import tenant_toml  # noqa: E402
@@ -36,7 +37,7 @@ def prometheus_config(server_port: int) -> dict:
     config["global"] = {"scrape_interval": "1s", "evaluation_interval": "1s"}
     config["rule_files"] = RULE_FILES
     for job in config["scrape_configs"]:
-        job["static_configs"] = [{"targets": [f"127.0.0.1:{server_port}"]}]
+        job["static_configs"] = [{"targets": [f"127.0.0.1:{server_port}"], "labels": ADAPTER_TEST_LABELS}]
         job["scrape_interval"] = "1s"
         if job["job_name"] == "pagedserve":
             job["authorization"] = {"credentials": SCRAPE_KEY}

@@ -15,10 +15,16 @@ from pagedserve.logging_utils.json_formatter import JsonFormatter
 def restore_root_logging():
     root = logging.getLogger()
     handlers, level = list(root.handlers), root.level
+    uvicorn = {name: (list(logging.getLogger(name).handlers), logging.getLogger(name).propagate)
+               for name in ("uvicorn", "uvicorn.error", "uvicorn.access")}
     yield root
     root.handlers[:] = handlers
     root.setLevel(level)
     logging.getLogger("pagedserve").setLevel(logging.NOTSET)
+    logging.captureWarnings(False)
+    for name, (saved, propagate) in uvicorn.items():
+        logging.getLogger(name).handlers[:] = saved
+        logging.getLogger(name).propagate = propagate
 
 
 def record(message: str = "hello %s", args=("world",), **extra) -> logging.LogRecord:
