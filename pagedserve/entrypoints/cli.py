@@ -93,6 +93,16 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="Larger request bodies get 413.")
     p.add_argument("--shutdown-timeout", type=float, default=10.0,
                    help="On SIGTERM/SIGINT: seconds in-flight requests may take to finish before they are aborted.")
+    p.add_argument("--timeout-keep-alive", type=float, default=5.0,
+                   help="Seconds an idle keep-alive connection stays open (uvicorn's).")
+    p.add_argument("--timeout-request-headers", type=float, default=10.0,
+                   help="Seconds a new connection has to send its first request's headers; then it is closed "
+                        "(a client that connects and sends nothing, or a byte at a time).")
+    p.add_argument("--timeout-request-body", type=float, default=30.0,
+                   help="Seconds a request's body may take to arrive, whole; then the answer is 408.")
+    p.add_argument("--limit-concurrency", type=int, default=None,
+                   help="Most connections and requests at once; beyond it new ones get 503 (uvicorn's). Default: "
+                        "no limit.")
     p.add_argument("--restart-on-engine-failure", action=argparse.BooleanOptionalAction, default=True,
                    help="When the engine process dies, start a new one and serve again (requests in flight get "
                         "503; /health is 503 until it is back; counted in pagedserve:engine_restarts_total).")

@@ -64,7 +64,8 @@ def server_config(args) -> ServerConfig:
                         enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", False),
                         tool_call_parser=getattr(args, "tool_call_parser", None) or "hermes",
                         log_prompts=getattr(args, "log_prompts", False),
-                        max_log_len=getattr(args, "max_log_len", None))
+                        max_log_len=getattr(args, "max_log_len", None),
+                        request_body_timeout=getattr(args, "timeout_request_body", 30.0))
 
 
 def tenant_store(config: ServerConfig) -> TenantStore:
@@ -78,7 +79,7 @@ def tenant_store(config: ServerConfig) -> TenantStore:
     return TenantStore(config.api_keys, config.api_keys_file, on_load)
 
 
-async def _read_json(request: Request, config: ServerConfig, model_cls):
+async def _read_body(request: Request, config: ServerConfig) -> bytes:
     size, chunks = 0, []
     async for chunk in request.stream():
         size += len(chunk)
@@ -86,8 +87,17 @@ async def _read_json(request: Request, config: ServerConfig, model_cls):
             raise OpenAIError(f"The request body is over the limit of {config.max_body_bytes} bytes.", 413,
                               code="request_too_large")
         chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def _read_json(request: Request, config: ServerConfig, model_cls):
     try:
-        data = json.loads(b"".join(chunks))
+        body = await asyncio.wait_for(_read_body(request, config), config.request_body_timeout)
+    except asyncio.TimeoutError:
+        raise OpenAIError(f"The request body did not arrive within {config.request_body_timeout:g} s "
+                          "(--timeout-request-body).", 408, code="request_timeout") from None
+    try:
+        data = json.loads(body)
     except ValueError as e:
         raise OpenAIError(f"The request body is not valid JSON: {e}", 400) from None
     except RecursionError:

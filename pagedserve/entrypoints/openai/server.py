@@ -16,6 +16,7 @@ import uvicorn
 from pagedserve.engine.async_llm import AsyncLLM
 from pagedserve.entrypoints.engine_args import engine_kwargs
 from pagedserve.entrypoints.openai.api_server import build_app, server_config, tenant_store
+from pagedserve.entrypoints.openai.slow_clients import with_header_timeout
 
 logger = logging.getLogger("pagedserve.serve")
 
@@ -62,8 +63,23 @@ def _check_server_flags(args: argparse.Namespace) -> None:
         raise ValueError("--ssl-keyfile and --ssl-certfile go together: give both for HTTPS, or neither")
     if args.max_metric_tenants < 0:
         raise ValueError(f"--max-metric-tenants must be >= 0, got {args.max_metric_tenants}")
+    for flag in ("timeout_keep_alive", "timeout_request_headers", "timeout_request_body"):
+        if getattr(args, flag) <= 0:
+            raise ValueError(f"--{flag.replace('_', '-')} must be > 0, got {getattr(args, flag)}")
+    if args.limit_concurrency is not None and args.limit_concurrency < 1:
+        raise ValueError(f"--limit-concurrency must be >= 1, got {args.limit_concurrency}")
     if args.max_log_len is not None and args.max_log_len < 0:
         raise ValueError(f"--max-log-len must be >= 0, got {args.max_log_len}")
+
+
+def uvicorn_config(app, args: argparse.Namespace) -> uvicorn.Config:
+    # log_config=None: uvicorn's loggers propagate to the handler main() set up (--log-format applies)
+    return uvicorn.Config(app, host=args.host, port=args.port, log_config=None,
+                          log_level=getattr(args, "log_level", "info"), access_log=False,
+                          timeout_graceful_shutdown=args.shutdown_timeout, lifespan="off",
+                          ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
+                          timeout_keep_alive=args.timeout_keep_alive, limit_concurrency=args.limit_concurrency,
+                          http=with_header_timeout(args.timeout_request_headers))
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -76,11 +92,7 @@ def serve(args: argparse.Namespace) -> int:
                                      restart_on_failure=args.restart_on_engine_failure, **engine_kwargs(args))
     try:
         app = build_app(async_llm, args, tenants=tenants)
-        # log_config=None: uvicorn's loggers propagate to the handler main() set up (--log-format applies)
-        config = uvicorn.Config(app, host=args.host, port=args.port, log_config=None,
-                                log_level=getattr(args, "log_level", "info"), access_log=False,
-                                timeout_graceful_shutdown=args.shutdown_timeout, lifespan="off",
-                                ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile)
+        config = uvicorn_config(app, args)
         _Server(config, on_sighup=tenants.reload if tenants.keys_file else None).run()
     finally:
         async_llm.shutdown()

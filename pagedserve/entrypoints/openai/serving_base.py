@@ -45,6 +45,8 @@ class ServerConfig:
     log_prompts: bool = False
     """Keep prompt and completion text in the access log (--log-prompts); off: token counts only."""
     max_log_len: Optional[int] = None
+    request_body_timeout: float = 30.0
+    """Seconds a request body may take to arrive (--timeout-request-body); then 408."""
 
 
 class ClientDisconnected(Exception):

@@ -1,0 +1,93 @@
+"""Clients that hold a connection without using it: one that connects and sends nothing, or sends its headers or
+its body a byte at a time, is cut off after the documented timeouts; the server keeps serving meanwhile."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+
+import httpx
+import pytest
+
+from live_server import ENGINE_FLAGS, ServeProcess, free_port
+from pagedserve.entrypoints.cli import build_parser
+from pagedserve.entrypoints.openai.server import uvicorn_config
+
+
+@pytest.fixture(scope="module")
+def strict(tiny_llama_dir):
+    port = free_port()
+    server = ServeProcess("--model", tiny_llama_dir, "--port", str(port), "--timeout-request-headers", "1",
+                          "--timeout-request-body", "1", "--timeout-keep-alive", "1", "--disable-log-requests",
+                          *ENGINE_FLAGS)
+    try:
+        server.wait_for_output("pagedserve is ready", timeout=120)
+        yield port
+    finally:
+        server.stop()
+
+
+def closed_after(sock: socket.socket, limit: float) -> float:
+    """Seconds until the server closes `sock` (reading what it sends first); fails past `limit`."""
+    sock.settimeout(limit)
+    start = time.monotonic()
+    while sock.recv(4096):
+        pass
+    return time.monotonic() - start
+
+
+def test_a_connection_that_sends_nothing_is_closed_after_the_header_timeout(strict):
+    with socket.create_connection(("127.0.0.1", strict)) as sock:
+        assert 0.5 < closed_after(sock, 5) < 3
+
+
+def test_headers_sent_a_byte_at_a_time_are_cut_off(strict):
+    with socket.create_connection(("127.0.0.1", strict)) as sock:
+        sock.settimeout(2)
+        start = time.monotonic()
+        with pytest.raises(OSError):  # the server closes the connection mid-headers: a send or recv fails
+            for byte in b"GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 100:
+                sock.sendall(bytes([byte]))
+                time.sleep(0.1)
+            sock.recv(1)
+        assert time.monotonic() - start < 4  # the whole header would take 12 s: it was cut off
+
+
+def test_a_body_sent_a_byte_at_a_time_gets_408_and_others_are_served_meanwhile(strict):
+    body = json.dumps({"prompt": "Hi", "max_tokens": 2}).encode()
+    with socket.create_connection(("127.0.0.1", strict)) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n")
+        sock.settimeout(0.2)
+        reply = b""
+        for byte in body:
+            assert httpx.get(f"http://127.0.0.1:{strict}/health").status_code == 200
+            try:
+                sock.sendall(bytes([byte]))
+                reply += sock.recv(65536)
+            except (socket.timeout, OSError):
+                pass
+            if reply:
+                break
+        sock.settimeout(5)
+        while b"\r\n\r\n" not in reply:
+            reply += sock.recv(65536)
+    head, _, rest = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408")
+    assert json.loads(rest[:int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])])["error"]["code"] \
+        == "request_timeout"
+
+
+def test_an_idle_keep_alive_connection_is_closed_after_its_timeout(strict):
+    with socket.create_connection(("127.0.0.1", strict)) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert sock.recv(4096).startswith(b"HTTP/1.1 200")
+        assert closed_after(sock, 5) < 3
+
+
+def test_the_timeout_flags_reach_uvicorn():
+    args = build_parser().parse_args(["serve", "--timeout-keep-alive", "7", "--limit-concurrency", "64"])
+    config = uvicorn_config(object(), args)
+    assert (config.timeout_keep_alive, config.limit_concurrency) == (7, 64)
+    assert config.http.__name__.startswith("HeaderTimeout")
