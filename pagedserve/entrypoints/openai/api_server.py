@@ -90,14 +90,34 @@ async def _read_body(request: Request, config: ServerConfig) -> bytes:
     return b"".join(chunks)
 
 
+def _check_content_type(request: Request) -> None:
+    """A body that says it is not JSON is refused rather than parsed anyway: a web page can post text/plain or a
+    form to this server from another origin without the browser asking first (CSRF); an absent type is JSON."""
+    given = request.headers.get("content-type")
+    media = (given or "application/json").split(";", 1)[0].strip().lower()
+    if media != "application/json" and not media.endswith("+json"):
+        raise OpenAIError(f"Content-Type must be application/json, got {given!r}", 400, param="Content-Type")
+
+
+def _no_duplicate_keys(pairs: list) -> dict:
+    seen = {}
+    for key, value in pairs:
+        if key in seen:
+            raise OpenAIError(f"The request body gives `{key}` twice: a JSON object's keys must be unique.", 400,
+                              param=key)
+        seen[key] = value
+    return seen
+
+
 async def _read_json(request: Request, config: ServerConfig, model_cls):
+    _check_content_type(request)
     try:
         body = await asyncio.wait_for(_read_body(request, config), config.request_body_timeout)
     except asyncio.TimeoutError:
         raise OpenAIError(f"The request body did not arrive within {config.request_body_timeout:g} s "
                           "(--timeout-request-body).", 408, code="request_timeout") from None
     try:
-        data = json.loads(body)
+        data = json.loads(body, object_pairs_hook=_no_duplicate_keys)
     except ValueError as e:
         raise OpenAIError(f"The request body is not valid JSON: {e}", 400) from None
     except RecursionError:

@@ -18,6 +18,10 @@ from pagedserve.entrypoints.openai.serving_base import (ServingBase, collect, fi
 logger = logging.getLogger(__name__)
 
 
+MAX_PROMPTS = 2048
+"""Prompts in one completions request (OpenAI's limit for a list of prompts)."""
+
+
 @dataclass
 class _Choice:
     text: str = ""
@@ -121,6 +125,9 @@ class ServingCompletion(ServingBase):
             prompt = [prompt]
         if not prompt:
             raise OpenAIError("the prompt is empty", 400, param="prompt")
+        if len(prompt) > MAX_PROMPTS:  # before any tokenizing: each prompt is a request of its own
+            raise OpenAIError(f"prompt takes at most {MAX_PROMPTS} prompts in one request, got {len(prompt)}", 400,
+                              param="prompt")
         out = []
         for p in prompt:
             if isinstance(p, str):

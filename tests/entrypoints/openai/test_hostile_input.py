@@ -59,3 +59,48 @@ def test_a_10_mb_prompt_is_refused_by_its_length_before_tokenizing(server):
     assert_400(r, "prompt", "characters long")
     assert elapsed < 3.0, elapsed  # tokenizing it whole took seconds
     still_serves(server)
+
+
+def timed(fn):
+    start = time.monotonic()
+    result = fn()
+    return result, time.monotonic() - start
+
+
+@pytest.mark.parametrize("body,param,contains", [
+    (b'{"prompt": "x", "max_tokens": 2, "temperature": NaN}', "temperature", "finite"),
+    (b'{"prompt": "x", "max_tokens": 2, "top_p": Infinity}', "top_p", "inf"),
+    (b'{"prompt": "x", "max_tokens": 1e400}', "max_tokens", "finite"),
+    (b'{"prompt": "x", "prompt": "y", "max_tokens": 2}', "prompt", "twice"),
+    (b'{"prompt": "x", "logit_bias": {"5": 1, "5": 2}, "max_tokens": 2}', "5", "twice"),
+])
+def test_nan_infinity_and_duplicate_keys_are_400s(server, body, param, contains):
+    assert_400(post_raw(server, "/v1/completions", body), param, contains)
+    still_serves(server)
+
+
+@pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data"])
+def test_a_body_that_says_it_is_not_json_is_a_400(server, content_type):
+    r = httpx.post(server.url + "/v1/completions", content=b'{"prompt": "x", "max_tokens": 2}',
+                   headers={"content-type": content_type})
+    assert_400(r, "Content-Type", "must be application/json")
+    ok = httpx.post(server.url + "/v1/completions", content=b'{"prompt": "x", "max_tokens": 2}',
+                    headers={"content-type": "application/json; charset=utf-8"})
+    assert ok.status_code == 200
+
+
+@pytest.mark.parametrize("body,param,contains", [
+    ({"prompt": list(range(100)) * 10_000, "max_tokens": 2}, "max_tokens", "maximum context length"),
+    ({"prompt": ["a"] * 1_000_000, "max_tokens": 2}, "prompt", "at most 2048 prompts"),
+    ({"prompt": [-1, 5], "max_tokens": 2}, "prompt", "token ids must be in"),
+    ({"prompt": [10 ** 12], "max_tokens": 2}, "prompt", "token ids must be in"),
+    ({"prompt": "x", "max_tokens": 2, "logit_bias": {str(i): 1 for i in range(10_000)}}, "logit_bias", "vocabulary"),
+    ({"prompt": "x", "n": 129, "max_tokens": 2}, "n", "between 1 and 128"),
+    ({"prompt": "x", "max_tokens": 10 ** 30}, "max_tokens", "maximum context length"),
+    ({"prompt": "x", "max_tokens": 2, "stop": ["a" * 5000]}, "stop", "at most 1024 characters"),
+])
+def test_oversized_arrays_and_out_of_range_values_are_400s_in_bounded_time(server, body, param, contains):
+    r, seconds = timed(lambda: httpx.post(server.url + "/v1/completions", json=body, timeout=60))
+    assert_400(r, param, contains)
+    assert seconds < 5, seconds
+    still_serves(server)
