@@ -92,8 +92,8 @@ def wait_for(condition, what: str, proc, timeout: float = 60) -> None:
         try:
             if condition():
                 return
-        except httpx.HTTPError:
-            pass  # Prometheus is still starting
+        except (httpx.HTTPError, ValueError):
+            pass  # Prometheus is still starting (no socket yet, or a plain-text 503 "Service Unavailable")
         assert proc.poll() is None, f"prometheus exited: {proc.stderr.read()[-2000:]}"
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.2)
