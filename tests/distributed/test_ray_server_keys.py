@@ -19,7 +19,10 @@ from test_errors import (test_body_over_the_limit_is_413, test_every_route_needs
 def guarded(ray_port, tiny_llama_dir):
     """The flags of test_errors.py's `guarded` server."""
     app = deploy(ray_port, tiny_llama_dir, num_replicas=1, api_key=["key-1", "key-2"], max_num_seqs=1,
-                 max_num_queued_requests=1, max_request_body_bytes=4096)
+                 max_num_queued_requests=1, max_request_body_bytes=4096, max_model_len=1024)
     app.admin_headers = {"Authorization": "Bearer key-1"}
+    # The queue-full test's first request must outlast a trip through Ray's proxy, router and metrics for the
+    # second and third (200 tokens were done first on a fast CPU now and then): 1000 tokens, a longer context.
+    app.long_max_tokens = 1000
     app.wait_replicas(1)
     return app

@@ -139,7 +139,8 @@ def test_queue_full_is_429_and_admitted_requests_finish(guarded):
     body = {"prompt": "Hello", "max_tokens": 40, "temperature": 0, "ignore_eos": True}
     with httpx.Client(base_url=guarded.url, headers=auth, timeout=60) as http:
         # The first runs long enough (the core steps on its own, in its own process) for the second to wait.
-        with http.stream("POST", "/v1/completions", json={**body, "max_tokens": 200, "stream": True}) as first:
+        long_tokens = getattr(guarded, "long_max_tokens", 200)
+        with http.stream("POST", "/v1/completions", json={**body, "max_tokens": long_tokens, "stream": True}) as first:
             assert first.status_code == 200
             lines = first.iter_lines()
             next(line for line in lines if line.startswith("data:"))  # running (max_num_seqs=1)
