@@ -7,7 +7,6 @@ import json
 import os
 import re
 import shutil
-import sys
 
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
@@ -115,5 +114,3 @@ def tool(name: str):
         raise AssertionError(f"{name} is not installed (apt-get install prometheus), but CI requires it")
     return path
 
-
-PYTHON = sys.executable

@@ -73,10 +73,12 @@ def test_a_body_sent_a_byte_at_a_time_gets_408_and_others_are_served_meanwhile(s
         sock.settimeout(5)
         while b"\r\n\r\n" not in reply:
             reply += sock.recv(65536)
-    head, _, rest = reply.partition(b"\r\n\r\n")
+        head, _, rest = reply.partition(b"\r\n\r\n")
+        length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+        while len(rest) < length:  # the body may come in a packet of its own
+            rest += sock.recv(65536)
     assert head.startswith(b"HTTP/1.1 408")
-    assert json.loads(rest[:int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])])["error"]["code"] \
-        == "request_timeout"
+    assert json.loads(rest[:length])["error"]["code"] == "request_timeout"
 
 
 def test_an_idle_keep_alive_connection_is_closed_after_its_timeout(strict):
@@ -91,3 +93,16 @@ def test_the_timeout_flags_reach_uvicorn():
     config = uvicorn_config(object(), args)
     assert (config.timeout_keep_alive, config.limit_concurrency) == (7, 64)
     assert config.http.__name__.startswith("HeaderTimeout")
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--timeout-request-headers", "0"], "--timeout-request-headers must be > 0"),
+    (["--timeout-request-body", "-1"], "--timeout-request-body must be > 0"),
+    (["--timeout-keep-alive", "0"], "--timeout-keep-alive must be > 0"),
+    (["--limit-concurrency", "0"], "--limit-concurrency must be >= 1"),
+])
+def test_a_bad_timeout_or_limit_exits_2_naming_the_flag(flags, message, capsys):
+    from pagedserve.entrypoints.cli import main
+
+    assert main(["serve", *flags]) == 2
+    assert message in capsys.readouterr().err
