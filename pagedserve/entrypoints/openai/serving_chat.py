@@ -27,11 +27,17 @@ logger = logging.getLogger(__name__)
 @dataclass
 class _Choice:
     text: str = ""
-    num_tokens: int = 0
+    token_ids: list[int] = field(default_factory=list)
     logprobs: list = field(default_factory=list)
     finish_reason: Optional[str] = None
     stop_reason: object = None
     tool_stream: Optional[ToolCallStream] = None
+    num_sent_ids: int = 0
+    """How many of token_ids earlier chunks carried (return_token_ids in a stream)."""
+
+    def unsent_ids(self) -> list[int]:
+        ids, self.num_sent_ids = self.token_ids[self.num_sent_ids:], len(self.token_ids)
+        return ids
 
 
 def message_dicts(messages: list[ChatMessage]) -> list[dict]:
@@ -121,17 +127,20 @@ class ServingChat(ServingBase):
         fmt = FORMATS[self.config.tool_call_parser]
         choices = [_Choice(tool_stream=ToolCallStream(fmt) if tools.parsed else None) for _ in range(body.n)]
         head = {"id": f"chatcmpl-{ctx.request_id}", "created": self.created(), "model": model}
-        usage = lambda: usage_dict(len(ids), sum(c.num_tokens for c in choices), cached)  # noqa: E731
+        usage = lambda: usage_dict(len(ids), sum(len(c.token_ids) for c in choices), cached)  # noqa: E731
+        if body.return_token_ids:
+            head["prompt_token_ids"] = ids  # a stream's first chunk only (see _stream)
         if not body.stream:
-            return await self._complete(http, stream, choices, logprobs, head, usage)
+            return await self._complete(http, stream, choices, logprobs, head, usage, body.return_token_ids)
         return await self._stream(http, stream, choices, logprobs, head, usage, body)
 
-    async def _complete(self, http, stream, choices: list[_Choice], logprobs, head: dict, usage) -> JSONResponse:
+    async def _complete(self, http, stream, choices: list[_Choice], logprobs, head: dict, usage,
+                        return_token_ids: bool) -> JSONResponse:
         def on_output(_, out) -> None:
             for c in out.outputs:
                 choice = choices[c.index]
                 choice.text += c.text
-                choice.num_tokens += len(c.token_ids)
+                choice.token_ids += c.token_ids
                 if logprobs is not None:
                     choice.logprobs += self._logprobs(c.token_ids, c.logprobs or [], logprobs)
                 if c.finish_reason is not None:
@@ -150,6 +159,8 @@ class ServingChat(ServingBase):
             rendered.append({"index": i, "message": message,
                              "logprobs": {"content": c.logprobs} if logprobs is not None else None,
                              "finish_reason": finish_reason, "stop_reason": c.stop_reason})
+            if return_token_ids:
+                rendered[-1]["token_ids"] = c.token_ids
         return JSONResponse({**head, "object": "chat.completion", "choices": rendered, "usage": usage()})
 
     async def _stream(self, http, stream, choices: list[_Choice], logprobs, head: dict, usage,
@@ -157,10 +168,17 @@ class ServingChat(ServingBase):
         first = await first_output(http, stream)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
+        first_head = head
+        head = {k: v for k, v in head.items() if k != "prompt_token_ids"}
+
         def chunk(index: int, delta: dict, finish_reason=None, stop_reason=None, lps=None) -> str:
-            payload = {**head, "object": "chat.completion.chunk", "choices": [
+            nonlocal first_head
+            payload = {**first_head, "object": "chat.completion.chunk", "choices": [
                 {"index": index, "delta": delta, "logprobs": lps, "finish_reason": finish_reason,
                  **({"stop_reason": stop_reason} if finish_reason is not None else {})}]}
+            first_head = head
+            if body.return_token_ids:  # the ids since this choice's last chunk (held-back text's ids wait)
+                payload["choices"][0]["token_ids"] = choices[index].unsent_ids()
             if include_usage:
                 payload["usage"] = None
             return sse(payload)
@@ -170,7 +188,7 @@ class ServingChat(ServingBase):
                 choice = choices[c.index]
                 if choice.finish_reason is not None or (not c.text and not c.token_ids and c.finish_reason is None):
                     continue
-                choice.num_tokens += len(c.token_ids)
+                choice.token_ids += c.token_ids
                 lps = None
                 if logprobs is not None:
                     lps = {"content": self._logprobs(c.token_ids, c.logprobs or [], logprobs)}

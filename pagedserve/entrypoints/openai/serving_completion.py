@@ -31,6 +31,12 @@ class _Choice:
     stop_reason: object = None
     text_offset: int = 0
     started: bool = False
+    num_sent_ids: int = 0
+    """How many of token_ids earlier chunks carried (return_token_ids in a stream)."""
+
+    def unsent_ids(self) -> list[int]:
+        ids, self.num_sent_ids = self.token_ids[self.num_sent_ids:], len(self.token_ids)
+        return ids
 
 
 class ServingCompletion(ServingBase):
@@ -83,6 +89,8 @@ class ServingCompletion(ServingBase):
                     "logprobs": self._logprobs(choice.token_ids, choice.logprobs, offset, body.logprobs)
                     if body.logprobs is not None else None,
                     "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason})
+                if body.return_token_ids:
+                    out_choices[-1].update(prompt_token_ids=prompts[index // n][1], token_ids=choice.token_ids)
             return JSONResponse({**head, "choices": out_choices, "usage": usage()})
 
         first = await first_output(http, stream)
@@ -110,6 +118,9 @@ class ServingCompletion(ServingBase):
                     continue  # tokens whose text is held back (a partial character or stop string)
                 chunk = {**head, "choices": [{"index": index, "text": text, "logprobs": logprobs,
                                               "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]}
+                if body.return_token_ids:
+                    prompt_ids = prompts[i][1] if choice.num_sent_ids == 0 else None
+                    chunk["choices"][0].update(prompt_token_ids=prompt_ids, token_ids=choice.unsent_ids())
                 if include_usage:
                     chunk["usage"] = None
                 yield sse(chunk)
