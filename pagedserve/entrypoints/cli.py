@@ -96,10 +96,13 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout-keep-alive", type=float, default=5.0,
                    help="Seconds an idle keep-alive connection stays open (uvicorn's).")
     p.add_argument("--timeout-request-headers", type=float, default=10.0,
-                   help="Seconds a new connection has to send its first request's headers; then it is closed "
-                        "(a client that connects and sends nothing, or a byte at a time).")
+                   help="Seconds a connection has to send a request's headers, from when it opened or its last "
+                        "response ended; then it is closed (a client that sends nothing, or a byte at a time).")
     p.add_argument("--timeout-request-body", type=float, default=30.0,
                    help="Seconds a request's body may take to arrive, whole; then the answer is 408.")
+    p.add_argument("--timeout-stream-write", type=float, default=30.0,
+                   help="Seconds a response may wait on a client that stopped reading it (its socket buffers "
+                        "full); then the connection is closed and its request aborted.")
     p.add_argument("--limit-concurrency", type=int, default=None,
                    help="Most connections and requests at once; beyond it new ones get 503 (uvicorn's). Default: "
                         "no limit.")

@@ -16,7 +16,7 @@ import uvicorn
 from pagedserve.engine.async_llm import AsyncLLM
 from pagedserve.entrypoints.engine_args import engine_kwargs
 from pagedserve.entrypoints.openai.api_server import build_app, server_config, tenant_store
-from pagedserve.entrypoints.openai.slow_clients import with_header_timeout
+from pagedserve.entrypoints.openai.slow_clients import guarded_protocol
 
 logger = logging.getLogger("pagedserve.serve")
 
@@ -63,7 +63,7 @@ def _check_server_flags(args: argparse.Namespace) -> None:
         raise ValueError("--ssl-keyfile and --ssl-certfile go together: give both for HTTPS, or neither")
     if args.max_metric_tenants < 0:
         raise ValueError(f"--max-metric-tenants must be >= 0, got {args.max_metric_tenants}")
-    for flag in ("timeout_keep_alive", "timeout_request_headers", "timeout_request_body"):
+    for flag in ("timeout_keep_alive", "timeout_request_headers", "timeout_request_body", "timeout_stream_write"):
         if getattr(args, flag) <= 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be > 0, got {getattr(args, flag)}")
     if args.limit_concurrency is not None and args.limit_concurrency < 1:
@@ -79,7 +79,7 @@ def uvicorn_config(app, args: argparse.Namespace) -> uvicorn.Config:
                           timeout_graceful_shutdown=args.shutdown_timeout, lifespan="off",
                           ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
                           timeout_keep_alive=args.timeout_keep_alive, limit_concurrency=args.limit_concurrency,
-                          http=with_header_timeout(args.timeout_request_headers))
+                          http=guarded_protocol(args.timeout_request_headers, args.timeout_stream_write))
 
 
 def serve(args: argparse.Namespace) -> int:
