@@ -242,6 +242,13 @@ def _add_bench(subparsers) -> None:
 
     serve.add_cli_args(s)
     s.set_defaults(func=serve.cli_main)
+    k = kinds.add_parser("soak", help="Drive a server past its capacity with a hostile mix (disconnects, "
+                         "malformed bodies, n > 1, streams, greedy probes) and check that no request is lost, mixed "
+                         "up or leaked; exit 1 on any violation.", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    from pagedserve.benchmarks.soak import cli as soak
+
+    soak.add_cli_args(k)
+    k.set_defaults(func=soak.cli_main)
 
 
 def build_parser(keys_only: bool = False) -> argparse.ArgumentParser:
