@@ -258,13 +258,13 @@ def _row_order(lora_slots: dict[int, int]):
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zero-filled tensor. On CPU it is fresh anonymous memory (huge pages asked for: cpu_allocator), whose
-    pages fault in as blocks are first used: a multi-GiB KV cache costs nothing at start-up, instead of
-    seconds of memset. Zeros matter: padded attention reads multiply stale slots by zero probability, and
-    stale NaNs would poison that."""
+    """A zero-filled tensor. On CPU it is fresh anonymous memory (huge pages asked for: cpu_allocator), all of
+    it committed now: otherwise the block pool (which hands out its least recently used block first) faults
+    in page after page under load, until RSS has grown by the whole cache. Zeros matter: padded attention
+    reads multiply stale slots by zero probability, and stale NaNs would poison that."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    return huge_page_zeros(math.prod(shape) * dtype.itemsize).view(dtype).view(shape)
+    return huge_page_zeros(math.prod(shape) * dtype.itemsize, populate=True).view(dtype).view(shape)
 
 
 def _available_ram() -> int:

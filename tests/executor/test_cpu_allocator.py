@@ -33,3 +33,29 @@ def test_huge_page_zeros_gets_transparent_huge_pages_where_the_kernel_gives_them
     buffer = huge_page_zeros(64 << 20)
     buffer.view(torch.int64)[::512].fill_(1)  # touch every 4 KiB page
     assert _anon_huge_kib() - before >= 32 << 10  # at least half of it in 2 MiB pages
+
+
+def _rss_kib() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+
+
+def test_a_populated_buffer_is_resident_at_once_and_a_lazy_one_is_not():
+    lazy_before = _rss_kib()
+    lazy = huge_page_zeros(128 << 20)
+    assert _rss_kib() - lazy_before < 16 << 10
+    before = _rss_kib()
+    populated = huge_page_zeros(128 << 20, populate=True)
+    if _rss_kib() - before < 100 << 10:
+        pytest.skip("this kernel has no MADV_POPULATE_WRITE (Linux < 5.14): the buffer stays lazy")
+    assert not populated.any() and lazy.numel() == populated.numel()
+
+
+def test_the_kv_cache_is_committed_when_the_engine_starts(tiny_llama_dir):
+    from pagedserve import LLM
+
+    before = _rss_kib()
+    llm = LLM(tiny_llama_dir, dtype="float32", kv_cache_memory_bytes=256 << 20)
+    grown = _rss_kib() - before
+    del llm
+    assert grown > 200 << 10, f"RSS grew {grown} KiB for a 256 MiB KV cache"
