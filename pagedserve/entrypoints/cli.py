@@ -127,6 +127,9 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                         "({\"name\": ..., \"parameters\": ...}). Default: hermes.")
     p.add_argument("--allow-runtime-lora-updating", action="store_true",
                    help="Enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter (admin keys only).")
+    p.add_argument("--allowed-lora-dirs", nargs="+", default=None, metavar="DIR",
+                   help="Directories POST /v1/load_lora_adapter may load adapters from (a lora_path elsewhere, "
+                        "or with a symlink out, is a 400). Without it the route loads nothing.")
     _add_ray_args(p)
     add_engine_args(p)
 

@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Awaitable, Callable, Optional
 
 from fastapi import FastAPI
@@ -23,6 +24,7 @@ from starlette.requests import Request
 
 import pagedserve
 from pagedserve.engine.async_llm import AsyncLLM
+from pagedserve.entrypoints.openai.allowed_paths import resolved_dirs
 from pagedserve.entrypoints.openai.errors import OpenAIError, error_response, from_validation_error
 from pagedserve.entrypoints.openai.gate import ADMIN_ROUTES, OPEN_ROUTES, ROUTES, Gate  # noqa: F401 - re-exported
 from pagedserve.entrypoints.openai.lora_modules import LoRAModules
@@ -161,7 +163,8 @@ def build_app(async_llm: AsyncLLM, args, metrics: Optional[PrometheusStatLogger]
     enable_lora = bool(getattr(args, "enable_lora", False))
     metrics = metrics or PrometheusStatLogger(config.served_model_names[0], max_tenants=config.max_metric_tenants,
                                               max_loras=getattr(args, "max_loras", 1) if enable_lora else None)
-    lora_modules = LoRAModules(async_llm, config.served_model_names, enable_lora)
+    allowed_lora_dirs = resolved_dirs(getattr(args, "allowed_lora_dirs", None) or [], "--allowed-lora-dirs")
+    lora_modules = LoRAModules(async_llm, config.served_model_names, enable_lora, allowed_lora_dirs)
     lora_modules.load_at_start(list(getattr(args, "lora_modules", None) or []))
     rate_limiter = rate_limiter or RateLimiter()
     if getattr(async_llm, "info", None) is not None:
@@ -243,8 +246,9 @@ def _add_info_routes(app: FastAPI, async_llm: AsyncLLM, args, config: ServerConf
 
 def _add_generation_routes(app: FastAPI, async_llm: AsyncLLM, config: ServerConfig, lora_modules: LoRAModules,
                            metrics: PrometheusStatLogger) -> None:
-    completions = ServingCompletion(async_llm, config, lora_modules)
-    chat = ServingChat(async_llm, config, lora_modules)
+    tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="pagedserve-tokenizer")  # one: see ServingBase
+    completions = ServingCompletion(async_llm, config, lora_modules, tokenizer_thread)
+    chat = ServingChat(async_llm, config, lora_modules, tokenizer_thread)
     completions.lora_metrics = chat.lora_metrics = metrics.lora
 
     @app.post("/v1/completions")
@@ -263,9 +267,9 @@ def _add_generation_routes(app: FastAPI, async_llm: AsyncLLM, config: ServerConf
         if (body.prompt is None) == (body.messages is None):
             raise OpenAIError("give exactly one of prompt and messages", 400, param="prompt")
         if body.messages is not None:
-            _, tokens = chat.render(body.messages, body.add_generation_prompt)
+            _, tokens = await chat.off_loop(chat.render, body.messages, body.add_generation_prompt)
         else:
-            tokens = chat.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            tokens = await chat.off_loop(chat.encode, body.prompt, add_special_tokens=body.add_special_tokens)
         return {"count": len(tokens), "max_model_len": async_llm.max_model_len, "tokens": tokens}
 
     @app.post("/detokenize")
@@ -274,7 +278,7 @@ def _add_generation_routes(app: FastAPI, async_llm: AsyncLLM, config: ServerConf
         chat.model_name(body.model)
         chat.need_tokenizer()
         chat.check_token_ids(body.tokens, "tokens")
-        return {"prompt": chat.tokenizer.decode(body.tokens)}
+        return {"prompt": await chat.off_loop(chat.tokenizer.decode, body.tokens)}
 
 
 def _add_admin_routes(app: FastAPI, async_llm: AsyncLLM) -> None:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from pagedserve.engine.async_llm import AsyncLLM
+from pagedserve.entrypoints.openai.allowed_paths import PathNotAllowedError, confined
 from pagedserve.entrypoints.openai.errors import OpenAIError
 
 
@@ -55,10 +56,15 @@ def _checked(module: LoRAModule) -> LoRAModule:
 class LoRAModules:
     """name -> LoRARequest of the adapters this server serves, kept in step with the engine core."""
 
-    def __init__(self, async_llm: AsyncLLM, base_model_names: list[str], enabled: bool) -> None:
+    def __init__(self, async_llm: AsyncLLM, base_model_names: list[str], enabled: bool,
+                 allowed_dirs: tuple[str, ...] = ()) -> None:
+        """`allowed_dirs` (resolved: allowed_paths.resolved_dirs) are where the load route may read adapters
+        from (--allowed-lora-dirs); none: it loads nothing. `--lora-modules` paths, the operator's own, are
+        not confined."""
         self.async_llm = async_llm
         self.base_model_names = base_model_names
         self.enabled = enabled
+        self.allowed_dirs = allowed_dirs
         self._by_name: dict = {}
         self._paths: dict[str, str] = {}
         self._ids = itertools.count(1)
@@ -85,6 +91,13 @@ class LoRAModules:
         if not self.enabled:
             raise OpenAIError("LoRA is not enabled on this server (start it with --enable-lora)", 400,
                               param="lora_name")
+        if not self.allowed_dirs:
+            raise OpenAIError("this server loads no adapter at run time from a request's path: start it with "
+                              "--allowed-lora-dirs DIR to allow the adapters under DIR", 400, param="lora_path")
+        try:
+            path = confined(path, self.allowed_dirs, "lora_path")
+        except PathNotAllowedError as e:
+            raise OpenAIError(str(e), 400, param="lora_path") from None
         async with self._lock:
             self._check_new_name(name, lambda message: OpenAIError(message, 400, param="lora_name"))
             try:

@@ -16,6 +16,7 @@ import uvicorn
 from pagedserve.engine.async_llm import AsyncLLM
 from pagedserve.entrypoints.engine_args import engine_kwargs
 from pagedserve.entrypoints.openai.api_server import build_app, server_config, tenant_store
+from pagedserve.entrypoints.openai.allowed_paths import resolved_dirs
 from pagedserve.entrypoints.openai.slow_clients import guarded_protocol
 
 logger = logging.getLogger("pagedserve.serve")
@@ -68,6 +69,7 @@ def _check_server_flags(args: argparse.Namespace) -> None:
             raise ValueError(f"--{flag.replace('_', '-')} must be > 0, got {getattr(args, flag)}")
     if args.limit_concurrency is not None and args.limit_concurrency < 1:
         raise ValueError(f"--limit-concurrency must be >= 1, got {args.limit_concurrency}")
+    resolved_dirs(args.allowed_lora_dirs or [], "--allowed-lora-dirs")
     if args.max_log_len is not None and args.max_log_len < 0:
         raise ValueError(f"--max-log-len must be >= 0, got {args.max_log_len}")
 

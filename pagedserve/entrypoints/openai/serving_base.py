@@ -4,8 +4,10 @@ async plumbing (several engine streams merged into one, a client disconnect canc
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable, Iterable, Optional, TypeVar
 
@@ -65,8 +67,12 @@ NORMALIZER_SLACK = 4
 
 
 class ServingBase:
-    def __init__(self, async_llm: AsyncLLM, config: ServerConfig, lora_modules=None) -> None:
+    def __init__(self, async_llm: AsyncLLM, config: ServerConfig, lora_modules=None,
+                 tokenizer_thread: Optional[ThreadPoolExecutor] = None) -> None:
         self.async_llm = async_llm
+        self.tokenizer_thread = tokenizer_thread or ThreadPoolExecutor(1, thread_name_prefix="pagedserve-tokenizer")
+        """Where prompts are templated and tokenized (off_loop): one thread, shared by the routes, so that the
+        tokenizer is never used from two threads at once."""
         self.config = config
         self.lora_modules = lora_modules
         """The served LoRA adapters (lora_modules.LoRAModules), or None."""
@@ -98,6 +104,12 @@ class ServingBase:
     def need_tokenizer(self) -> None:
         if self.tokenizer is None:
             raise OpenAIError("this server was started without a tokenizer: only token-id prompts work", 400)
+
+    async def off_loop(self, fn: Callable[..., T], *args, **kwargs) -> T:
+        """`fn(*args, **kwargs)` on the tokenizer thread: tokenizing a long prompt (tens of ms per 100 KB) or
+        rendering a big conversation would otherwise hold the event loop that serves every other client."""
+        return await asyncio.get_running_loop().run_in_executor(self.tokenizer_thread,
+                                                                functools.partial(fn, *args, **kwargs))
 
     def encode(self, text: str, param: str = "prompt", **kwargs) -> list[int]:
         """A client's text as token ids; refused before tokenizing when its length alone rules it out, so that a

@@ -108,7 +108,7 @@ class ServingChat(ServingBase):
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         self.check_common(body, logprobs, "top_logprobs")
         tools = self._tools(body)
-        text, ids = self.render(body.messages, body.add_generation_prompt, tools.tools)
+        text, ids = await self.off_loop(self.render, body.messages, body.add_generation_prompt, tools.tools)
         self.check_token_ids(ids, "messages")
         if body.max_completion_tokens is not None:
             max_tokens = self.max_tokens_for(len(ids), body.max_completion_tokens, "max_completion_tokens")

@@ -48,7 +48,7 @@ class ServingCompletion(ServingBase):
             raise OpenAIError("echo with logprobs is not supported (this server returns no prompt logprobs)", 400,
                               param="echo")
         self.check_common(body, body.logprobs, "logprobs")
-        prompts = self._prompts(body.prompt)
+        prompts = await self.off_loop(self._prompts, body.prompt)
         constraint = await self.structured_outputs(body)
         params = [self.sampling_params(body, self.max_tokens_for(len(ids), body.max_tokens), body.logprobs,
                                        structured_outputs=constraint)

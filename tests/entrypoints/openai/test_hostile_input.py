@@ -104,3 +104,34 @@ def test_oversized_arrays_and_out_of_range_values_are_400s_in_bounded_time(serve
     assert_400(r, param, contains)
     assert seconds < 5, seconds
     still_serves(server)
+
+
+def test_tokenizing_a_huge_batch_of_prompts_does_not_hold_the_event_loop(server):
+    """1,000 prompts just under the character limit (about 10 MB of text, seconds of tokenizing): /health keeps
+    answering meanwhile, because prompts are tokenized on the tokenizer thread, not on the event loop."""
+    import threading
+
+    from pagedserve.entrypoints.openai.serving_base import NORMALIZER_SLACK
+
+    longest = max(len(t) for t in server.async_llm.input_processor.tokenizer.get_vocab())
+    limit = NORMALIZER_SLACK * longest * server.async_llm.max_model_len
+    words = "the quick brown fox jumps over the lazy dog "
+    prompt = (words * (limit // len(words) + 1))[:limit - 1]
+    result = {}
+
+    def big_request() -> None:
+        result["response"] = httpx.post(server.url + "/v1/completions", timeout=120,
+                                        json={"prompt": [prompt] * 1000, "max_tokens": 1})
+
+    thread = threading.Thread(target=big_request)
+    thread.start()
+    health_seconds = []
+    while thread.is_alive():
+        start = time.monotonic()
+        assert httpx.get(server.url + "/health", timeout=30).status_code == 200
+        health_seconds.append(time.monotonic() - start)
+        time.sleep(0.05)
+    thread.join()
+    assert result["response"].status_code == 400  # the prompts do not fit the context, once tokenized
+    assert max(health_seconds) < 0.5, f"/health took up to {max(health_seconds):.2f} s"
+    assert len(health_seconds) > 5, "the request was too quick to tell"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 
 import httpx
 import openai
@@ -57,7 +58,8 @@ LORA_FLAGS = ["--enable-lora", "--max-loras", "2", "--max-lora-rank", "16", "--a
 
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir, adapters):
-    live = start_server(tiny_llama_dir, *LORA_FLAGS, "--lora-modules", f"a={adapters['a']}",
+    live = start_server(tiny_llama_dir, *LORA_FLAGS, "--allowed-lora-dirs", os.path.dirname(adapters["a"]),
+                        "--lora-modules", f"a={adapters['a']}",
                         json.dumps({"name": "b", "path": adapters["b"]}))
     yield live
     live.stop()
@@ -103,7 +105,8 @@ def test_load_and_unload_at_run_time_with_their_error_cases(server, adapters, of
     assert complete(server.url, "c") == offline_text(offline, LoRARequest("c", 9, adapters["c"]))
     dup = post(server.url, "/v1/load_lora_adapter", {"lora_name": "c", "lora_path": adapters["c"]})
     assert dup.status_code == 400 and dup.json()["error"]["param"] == "lora_name"
-    missing = post(server.url, "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "/no/such/adapter"})
+    missing = post(server.url, "/v1/load_lora_adapter",
+                   {"lora_name": "x", "lora_path": os.path.join(os.path.dirname(adapters["a"]), "no-such-adapter")})
     assert missing.status_code == 400 and "x" in missing.json()["error"]["message"]
     dora = post(server.url, "/v1/load_lora_adapter", {"lora_name": "d", "lora_path": adapters["dora"]})
     assert dora.status_code == 400 and "dora" in dora.json()["error"]["message"].lower()
@@ -114,6 +117,20 @@ def test_load_and_unload_at_run_time_with_their_error_cases(server, adapters, of
     assert after.status_code == 404
     assert "c" not in {m["id"] for m in httpx.get(server.url + "/v1/models").json()["data"]}
     server.wait_idle()
+
+
+def test_a_runtime_load_from_outside_the_allowed_directories_is_refused(server, adapters, tmp_path):
+    escape = os.path.join(os.path.dirname(adapters["a"]), "..", "elsewhere")
+    link = os.path.join(os.path.dirname(adapters["a"]), "link-out")
+    os.symlink(tmp_path, link)
+    try:
+        for path in (escape, link, str(tmp_path)):
+            r = post(server.url, "/v1/load_lora_adapter", {"lora_name": "evil", "lora_path": path})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "lora_path", r.text
+            assert "not inside a directory this server allows" in r.json()["error"]["message"]
+    finally:
+        os.unlink(link)
+    assert "evil" not in {m["id"] for m in httpx.get(server.url + "/v1/models").json()["data"]}
 
 
 def test_a_reload_under_the_same_name_never_serves_the_old_weights(server, adapters, offline):
@@ -167,7 +184,8 @@ def test_runtime_routes_are_admin_only(tiny_llama_dir, adapters, tmp_path):
     keys.write_text("".join(f'[tenants.{name}]\nkey_sha256 = "{hashlib.sha256(key.encode()).hexdigest()}"\n'
                             f'scope = "{scope}"\n\n' for name, key, scope in
                             (("ops", "admin-key", "admin"), ("app", "user-key", "user"))))
-    live = start_server(tiny_llama_dir, *LORA_FLAGS, "--api-keys-file", str(keys))
+    live = start_server(tiny_llama_dir, *LORA_FLAGS, "--api-keys-file", str(keys),
+                        "--allowed-lora-dirs", os.path.dirname(adapters["c"]))
     try:
         body = {"lora_name": "c", "lora_path": adapters["c"]}
         user = post(live.url, "/v1/load_lora_adapter", body, headers={"Authorization": "Bearer user-key"})
