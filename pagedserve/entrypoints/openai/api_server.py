@@ -28,6 +28,7 @@ from pagedserve.entrypoints.openai.allowed_paths import resolved_dirs
 from pagedserve.entrypoints.openai.errors import OpenAIError, error_response, from_validation_error
 from pagedserve.entrypoints.openai.gate import ADMIN_ROUTES, OPEN_ROUTES, ROUTES, Gate  # noqa: F401 - re-exported
 from pagedserve.entrypoints.openai.lora_modules import LoRAModules
+from pagedserve.entrypoints.openai.openapi import install_openapi
 from pagedserve.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                                     InjectFaultRequest, LoadLoRAAdapterRequest, TokenizeRequest,
                                                     UnloadLoRAAdapterRequest)
@@ -173,7 +174,7 @@ def build_app(async_llm: AsyncLLM, args, metrics: Optional[PrometheusStatLogger]
     if hasattr(async_llm, "restart_listeners"):
         async_llm.restart_listeners.append(lambda _count: metrics.engine_restarts.inc())
     app = FastAPI(title="pagedserve", version=pagedserve.__version__, docs_url=None, redoc_url=None,
-                  openapi_url=None)
+                  openapi_url="/openapi.json")
     app.state.async_llm, app.state.config, app.state.metrics = async_llm, config, metrics
     app.state.tenants, app.state.rate_limiter, app.state.reload_keys = tenants, rate_limiter, tenants.reload
     _add_error_handlers(app)
@@ -185,6 +186,7 @@ def build_app(async_llm: AsyncLLM, args, metrics: Optional[PrometheusStatLogger]
         _add_lora_routes(app, config, lora_modules)
     if getattr(args, "enable_fault_injection", False):
         _add_fault_route(app, async_llm, config)
+    install_openapi(app)
     request_log = RequestLog(RequestLogConfig(config.log_requests, config.log_prompts, config.max_log_len))
     app.add_middleware(Gate, max_body_bytes=config.max_body_bytes, metrics=metrics, tenants=tenants,
                        rate_limiter=rate_limiter, request_log=request_log)
@@ -294,7 +296,7 @@ def _add_admin_routes(app: FastAPI, async_llm: AsyncLLM) -> None:
         if not done:
             raise OpenAIError("the prefix cache was not reset: running requests hold cached blocks; retry when "
                               "they have finished", 409, code="prefix_cache_in_use")
-        return Response(status_code=200)
+        return Response(status_code=200, media_type="text/plain")
 
 
 def _add_lora_routes(app: FastAPI, config: ServerConfig, lora_modules: LoRAModules) -> None:

@@ -25,7 +25,7 @@ from pagedserve.tenants.tenant import Tenant
 
 ROUTES = ("/health", "/version", "/metrics", "/tokenize", "/detokenize", "/v1/models", "/v1/completions",
           "/v1/chat/completions", "/reset_prefix_cache", "/v1/load_lora_adapter", "/v1/unload_lora_adapter",
-          "/debug/inject_fault")
+          "/debug/inject_fault", "/openapi.json")
 """Routes counted under their own name in http_requests_total (anything else is "other")."""
 OPEN_ROUTES = ("/health",)
 """Routes that never need a key."""
