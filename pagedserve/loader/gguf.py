@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 from typing import Any, Iterator, Optional
 
 import gguf
@@ -26,6 +27,7 @@ import numpy as np
 import torch
 import transformers
 from gguf import GGUFValueType, Keys
+from huggingface_hub.errors import StrictDataclassError
 from tokenizers import AddedToken
 
 from pagedserve.loader.gguf_file import GGUFFile
@@ -66,6 +68,9 @@ NON_PARAMETER_TENSORS = {"rope_freqs.weight"}
 LINEAR_KINDS = {"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"}
 """The decoder layers' linear weights: the ones --quantization gguf keeps quantized."""
 
+# What metadata of the wrong type or value (a string where an int belongs, 0 heads) makes building the config
+# raise, here or in transformers' validation of it; each becomes a ValueError naming the file.
+_METADATA_ERRORS = (TypeError, ValueError, ArithmeticError, KeyError, IndexError, StrictDataclassError)
 
 
 def gguf_to_hf_name(name: str) -> str:
@@ -122,9 +127,15 @@ class GGUFCheckpoint:
     def __init__(self, path: str):
         """Parse the file's metadata and tensor index (the data itself is memory-mapped, not read)."""
         self.path = str(path)
+        self.config_path = self.path
+        """The file the config comes from, which errors about the config name."""
         self._file = GGUFFile(self.path)
         self._tensors = {tensor.name: tensor for tensor in self._file.tensors}
         self._config: Optional[transformers.PretrainedConfig] = None
+
+    def total_bytes(self) -> int:
+        """Size of the weights' file(s): what a model built from the config must fit in."""
+        return os.path.getsize(self.path)
 
     # -- metadata ------------------------------------------------------------------------------
 
@@ -164,7 +175,13 @@ class GGUFCheckpoint:
         and, for scaled RoPE, the scaling fields).
         """
         if self._config is None:
-            self._config = self._build_config()
+            try:
+                self._config = self._build_config()
+            except _METADATA_ERRORS as e:
+                if isinstance(e, ValueError) and str(e).startswith(self.path):
+                    raise
+                raise ValueError(f"{self.path}: its metadata does not describe a model this loader can build "
+                                 f"({type(e).__name__}: {e})") from e
         return self._config
 
     def _build_config(self) -> transformers.PretrainedConfig:

@@ -91,13 +91,11 @@ def load_model(config: ModelConfig) -> LoadedModel:
     start = time.perf_counter()
     checkpoint = open_checkpoint(config.model)
     hf_config = checkpoint.config
-    model_cls = get_model_class(hf_config)
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
     max_model_len = context_length(hf_config, config.max_model_len)
     # Build on the meta device so that no time goes into random initialisation, then allocate for real.
-    with torch.device("meta"):
-        model = model_cls(hf_config, max_positions=max_model_len)
+    model, model_cls = _model_on_meta(hf_config, max_model_len, checkpoint)
     model = model.to(dtype).to_empty(device=device)
     model.rotary.to(device)
     model.load_weights(checkpoint.iter_weights(dtype, **_weight_options(config, checkpoint, device, dtype)))
@@ -109,6 +107,61 @@ def load_model(config: ModelConfig) -> LoadedModel:
     logger.info("loaded %s (%s, %s on %s) in %.1f s", config.model or "default model", model_cls.__name__,
                 str(dtype).removeprefix("torch."), device, seconds)
     return LoadedModel(model, hf_config, tokenizer, eos, dtype, device, max_model_len, seconds)
+
+
+MIN_BITS_PER_WEIGHT = 1
+"""No checkpoint format stores a weight in less (GGUF's smallest, IQ1_S, takes 1.56 bits)."""
+ROPE_TABLES_ALLOWANCE = 64 << 20
+"""Bytes of rope tables any model may have, however small its weights (then a max_model_len caps them)."""
+_SIZE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads")
+# What building a model from a config of inconsistent sizes or rope settings raises (in the model, the rope
+# tables or transformers' rope functions); each becomes a ValueError naming the config's file.
+_BUILD_ERRORS = (TypeError, ValueError, ArithmeticError, KeyError, IndexError, AttributeError, RuntimeError)
+
+
+def _model_on_meta(hf_config, max_model_len: int, checkpoint) -> tuple[torch.nn.Module, type]:
+    """The model built on the meta device (no time in random initialisation), after checking that its config
+    is one the checkpoint can hold: a corrupt config.json or GGUF header (hidden_size or a layer count of
+    2**40) is a ValueError naming the file, not an allocation of terabytes or a loop over 2**40 layers."""
+    try:
+        _check_sizes(hf_config, max_model_len, checkpoint.total_bytes())
+        model_cls = get_model_class(hf_config)
+        with torch.device("meta"):  # the rope tables alone are computed for real, on the CPU
+            model = model_cls(hf_config, max_positions=max_model_len)
+    except _BUILD_ERRORS as e:
+        raise ValueError(f"{checkpoint.config_path}: its config does not describe a model this engine can build "
+                         f"({type(e).__name__}: {e})") from e
+    return model, model_cls
+
+
+def _check_sizes(hf_config, max_model_len: int, held: int) -> None:
+    """The config's sizes are positive integers, and what they make the engine allocate fits the checkpoint's
+    bytes: the weights (embeddings and each layer's attention and MLP, a lower bound) at MIN_BITS_PER_WEIGHT,
+    and the rope tables (cos and sin in float32 for every position; a tiny test model may have a long context,
+    so they get at least ROPE_TABLES_ALLOWANCE)."""
+    sizes = {name: getattr(hf_config, name, None) for name in _SIZE_FIELDS}
+    _require_positive(sizes)
+    head_dim = getattr(hf_config, "head_dim", None) or sizes["hidden_size"] // sizes["num_attention_heads"]
+    _require_positive({"head_dim": head_dim, "max_model_len (the context length)": max_model_len})
+    hidden = sizes["hidden_size"]
+    attention = 2 * hidden * head_dim * (sizes["num_attention_heads"] + sizes["num_key_value_heads"])
+    weights = sizes["vocab_size"] * hidden + sizes["num_hidden_layers"] * (
+        attention + 3 * hidden * sizes["intermediate_size"])
+    if weights * MIN_BITS_PER_WEIGHT // 8 > held:
+        raise ValueError(f"it describes at least {weights:,} weights, more than its {held:,} bytes of weights "
+                         "can hold")
+    rope_bytes = 2 * 4 * max_model_len * head_dim
+    if rope_bytes > max(held, ROPE_TABLES_ALLOWANCE):
+        raise ValueError(f"rope tables for {max_model_len:,} positions of head_dim {head_dim} would take "
+                         f"{rope_bytes:,} bytes, more than its {held:,} bytes of weights (or "
+                         f"{ROPE_TABLES_ALLOWANCE:,}, whichever is more)")
+
+
+def _require_positive(sizes: dict) -> None:
+    for name, value in sizes.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} is {value!r}, not a positive integer")
 
 
 def _weight_options(config: ModelConfig, checkpoint, device: torch.device, dtype: torch.dtype) -> dict:

@@ -117,7 +117,7 @@ def _from_stream(reply: Reply, request: SoakRequest, problems: list[str]):
 
 def _check_choices(request: SoakRequest, choices: dict[int, _Choice], usage, prompt_ids,
                    references: dict[int, Reference], problems: list[str]) -> None:
-    if sorted(choices, key=str) != list(range(request.n)):
+    if set(choices) != set(range(request.n)):
         problems.append(f"choice indices {sorted(choices, key=str)}, expected 0..{request.n - 1}")
         return
     for index, c in choices.items():

@@ -32,10 +32,13 @@ def confined(path: str, allowed: Sequence[str], what: str) -> str:
     if not _inside(real, allowed):
         raise PathNotAllowedError(f"{what} {path!r} is not inside a directory this server allows "
                                   f"({', '.join(allowed) or 'none'})")
-    if os.path.isdir(real):
-        for entry in os.scandir(real):
-            if not _inside(os.path.realpath(entry.path), allowed):
-                raise PathNotAllowedError(f"{what} {path!r}: {entry.name} links outside the allowed directories")
+    try:
+        entries = list(os.scandir(real)) if os.path.isdir(real) else []
+    except OSError as e:  # unreadable, or removed meanwhile
+        raise PathNotAllowedError(f"{what} {path!r} cannot be listed: {e.strerror}") from None
+    for entry in entries:
+        if not _inside(os.path.realpath(entry.path), allowed):
+            raise PathNotAllowedError(f"{what} {path!r}: {entry.name} links outside the allowed directories")
     return real
 
 

@@ -32,7 +32,8 @@ def guarded_protocol(header_timeout: float, write_timeout: float, protocol_cls: 
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
-            if not self.transport.is_closing():
+            # A pipelined request may already be running (super() started it): only an idle connection waits
+            if not self.transport.is_closing() and self._idle():
                 self._expect_headers()  # the next request on this keep-alive connection has as long
 
         def _expect_headers(self) -> None:
@@ -40,9 +41,12 @@ def guarded_protocol(header_timeout: float, write_timeout: float, protocol_cls: 
                 self._headers_timer.cancel()
             self._headers_timer = self.loop.call_later(header_timeout, self._headers_late, self.cycle)
 
+        def _idle(self) -> bool:
+            return self.cycle is None or self.cycle.response_complete
+
         def _headers_late(self, cycle_before) -> None:
-            # self.cycle is replaced when a request's headers are complete: unchanged means none came
-            if self.cycle is cycle_before and not self.transport.is_closing():
+            # self.cycle is replaced when a request's headers are complete: unchanged (and finished) means none came
+            if self.cycle is cycle_before and self._idle() and not self.transport.is_closing():
                 self.transport.close()
 
         def pause_writing(self) -> None:
