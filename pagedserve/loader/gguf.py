@@ -261,16 +261,7 @@ class GGUFCheckpoint:
         processes keep cores busy, where each parallel op would wait for a descheduled thread
         (measured on 2 shared cores: 0.3 s with one thread, 5-9 s with two).
         """
-        # Check everything first, so a bad file fails before any weight is loaded.
-        for tensor in self._file.tensors:
-            if tensor.name in NON_PARAMETER_TENSORS:
-                continue
-            gguf_to_hf_name(tensor.name)
-            if tensor.tensor_type not in SUPPORTED_TENSOR_TYPES:
-                raise ValueError(
-                    f"GGUF tensor {tensor.name!r} has type {tensor.tensor_type.name}, which this loader cannot "
-                    f"dequantize; supported: {', '.join(sorted(t.name for t in SUPPORTED_TENSOR_TYPES))}"
-                )
+        self._check_tensors()
         config = self.config
         # Only llama's converter permutes q/k (qwen2 was converted with HF's rotate_half order kept).
         rope_heads = (
@@ -278,6 +269,7 @@ class GGUFCheckpoint:
             if self.architecture == "llama"
             else {}
         )
+        self._check_rope_rows(rope_heads)
         for tensor in self._file.tensors:
             if tensor.name in NON_PARAMETER_TENSORS:
                 continue
@@ -294,6 +286,31 @@ class GGUFCheckpoint:
                     if kind in rope_heads:
                         weight = unpermute_rope_rows(weight, rope_heads[kind])
             yield gguf_to_hf_name(tensor.name), weight
+
+    def _check_tensors(self) -> None:
+        """Check every tensor first, so that a bad file fails (naming it) before any weight is loaded: an HF
+        name and a type this loader dequantizes."""
+        for tensor in self._file.tensors:
+            if tensor.name in NON_PARAMETER_TENSORS:
+                continue
+            try:
+                gguf_to_hf_name(tensor.name)
+            except ValueError as e:
+                raise ValueError(f"{self.path}: {e}") from None
+            if tensor.tensor_type not in SUPPORTED_TENSOR_TYPES:
+                raise ValueError(
+                    f"{self.path}: GGUF tensor {tensor.name!r} has type {tensor.tensor_type.name}, which this loader "
+                    f"cannot dequantize; supported: {', '.join(sorted(t.name for t in SUPPORTED_TENSOR_TYPES))}"
+                )
+
+    def _check_rope_rows(self, rope_heads: dict[str, int]) -> None:
+        """The q/k tensors to un-permute have rows that split into rope pairs for their heads."""
+        for tensor in self._file.tensors:
+            heads = rope_heads.get(tensor.name.split(".")[-2])
+            rows = int(tensor.shape[-1]) if tensor.shape.size else 1  # dims are innermost first
+            if heads is not None and rows % (2 * heads):
+                raise ValueError(f"{self.path}: GGUF tensor {tensor.name!r} has {rows} rows, which do not split "
+                                 f"into rope pairs for {heads} heads")
 
     # -- tokenizer -----------------------------------------------------------------------------
 

@@ -84,6 +84,8 @@ class GGUFFile:
             if num_dims > _MAX_DIMS:
                 raise ValueError(f"{path}: tensor {name!r} has {num_dims} dimensions (at most {_MAX_DIMS})")
             dims = [self._unpack("<Q") for _ in range(num_dims)]
+            if any(dim >= 1 << 63 for dim in dims):  # ggml's dims are int64, and so are torch's
+                raise ValueError(f"{path}: tensor {name!r} has dims {dims}, past int64")
             infos.append((name, dims, GGMLQuantizationType(self._unpack("<I")), self._unpack("<Q")))
         alignment = self.fields.get("general.alignment", 32)
         if not isinstance(alignment, int) or isinstance(alignment, bool) or not 0 < alignment <= _MAX_ALIGNMENT:

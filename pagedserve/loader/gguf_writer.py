@@ -102,6 +102,7 @@ def write_gguf(
     *,
     tokenizer: bool = True,
     chat_template: Optional[str] = CHATML_TEMPLATE,
+    alignment: Optional[int] = None,
 ) -> None:
     """Write an HF ``LlamaForCausalLM`` or ``Qwen2ForCausalLM`` (any dtype) to ``path`` as GGUF.
 
@@ -109,6 +110,7 @@ def write_gguf(
     type gguf.quants can quantize); 1-D tensors (norms, biases) stay F32, as llama.cpp keeps them.
     tokenizer: also write a byte-level BPE tokenizer (``byte_tokenizer_vocab``; needs vocab_size >= 259)
     with ``chat_template``.
+    alignment: of the tensor data, written as general.alignment (None: llama.cpp's default, 32, not written).
     """
     config = model.config
     arch = _ARCHITECTURES.get(config.model_type)
@@ -121,6 +123,8 @@ def write_gguf(
     rope_type = rope.get("rope_type", "default")
 
     writer = gguf.GGUFWriter(str(path), arch)
+    if alignment is not None:
+        writer.add_custom_alignment(alignment)
     writer.add_name(getattr(config, "_name_or_path", "") or f"tiny-{arch}")
     file_type = getattr(gguf.LlamaFileType, "ALL_F32" if qtype == QType.F32 else f"MOSTLY_{quant}", None)
     if file_type is not None:

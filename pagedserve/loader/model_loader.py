@@ -116,8 +116,9 @@ ROPE_TABLES_ALLOWANCE = 64 << 20
 _SIZE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                 "num_key_value_heads")
 # What building a model from a config of inconsistent sizes or rope settings raises (in the model, the rope
-# tables or transformers' rope functions); each becomes a ValueError naming the config's file.
-_BUILD_ERRORS = (TypeError, ValueError, ArithmeticError, KeyError, IndexError, AttributeError, RuntimeError)
+# tables or transformers' rope functions); each becomes a ValueError naming the config's file. Not RuntimeError:
+# that is what a failed allocation raises, which the checks above are there to prevent, not to hide.
+_BUILD_ERRORS = (TypeError, ValueError, ArithmeticError, KeyError, IndexError, AttributeError)
 
 
 def _model_on_meta(hf_config, max_model_len: int, checkpoint) -> tuple[torch.nn.Module, type]:
