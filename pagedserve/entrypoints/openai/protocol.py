@@ -1,7 +1,7 @@
 """Request bodies of the OpenAI API (and vLLM's extra sampling fields), as pydantic models.
 
-Unknown fields are ignored, as OpenAI and vLLM do. Responses are built as plain dicts by the serving modules,
-in OpenAI's shapes.
+Unknown fields are ignored, as OpenAI and vLLM do; known ones must have their JSON type (strict). Responses are
+built as plain dicts by the serving modules, in OpenAI's shapes (described in openapi.py, as /openapi.json).
 """
 
 from __future__ import annotations
@@ -11,8 +11,13 @@ from typing import Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field
 
 
+INT64_MAX = 2**63 - 1
+
+
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # strict: a field takes its JSON type only (as OpenAI's API does, and as the OpenAPI schema says), not
+    # pydantic's coercions ("temperature": false or "0.7", "stream": 1, "n": "2" were taken as 0.0, 0.7, true, 2)
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 class StreamOptions(_Body):
@@ -34,7 +39,7 @@ class ResponseFormat(_Body):
 class StructuredOutputsField(BaseModel):
     """vLLM's `structured_outputs` object (exactly one of json, regex, choice, grammar, json_object)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     json_schema: Optional[Union[dict, bool, str]] = Field(default=None, alias="json")
     regex: Optional[str] = None
     choice: Optional[list[str]] = None
@@ -61,7 +66,8 @@ class _SamplingFields(_Body):
     logit_bias: Optional[dict[str, float]] = None
     user: Optional[str] = None
     # vLLM's extras
-    top_k: Optional[int] = None
+    top_k: Optional[int] = Field(default=None, le=INT64_MAX)
+    """At most INT64_MAX: the engine's sampling tensors are int64, and a larger top_k killed the engine core."""
     min_p: Optional[float] = None
     repetition_penalty: Optional[float] = None
     min_tokens: int = 0
