@@ -2,7 +2,9 @@
 memory, load time, W1 offline output tok/s and concurrency-16 TPOT, side by side in one run.
 
 Cases: the float weights (the default model's file dequantized to --dtype, as without --quantization), the
-default model's own file (Q4_1) kept quantized, and the same weights requantized to Q8_0 and Q4_0 (written here
+default model's own file (Q4_1) kept quantized, and the same weights requantized to Q8_0, Q4_0, and Q4_0 with a
+Q6_K down_proj (llama.cpp's Q4_K_M keeps down in Q6_K; the model's other linears take 576 inputs, which K-quants'
+rows of 256 do not divide, so llama.cpp falls back to a 32-group type for them too) (written here
 with pagedserve's GGUF writer from the float weights; their token embeddings stay float in memory, as the
 loader keeps only the decoder layers' linear weights quantized). Prompts are random token ids, so the
 requantized files need no tokenizer of their own. The cases run interleaved --repeats times; medians.
@@ -32,16 +34,17 @@ sys.path.insert(0, str(Path(__file__).parent))
 from lora_throughput import run_case, warm_up  # noqa: E402
 
 
-def requantized(quant: str, folder: str) -> str:
-    """The default model's weights (dequantized in float32) written as a GGUF file of type `quant`."""
+def requantized(quant: str, folder: str, by_kind: dict | None = None) -> str:
+    """The default model's weights (dequantized in float32) written as a GGUF file of type `quant` (`by_kind`:
+    types for some tensor kinds instead)."""
     from transformers import LlamaForCausalLM
 
     checkpoint = open_checkpoint(None)
     model = LlamaForCausalLM(checkpoint.config)
     model.load_state_dict(dict(checkpoint.iter_weights(torch.float32)), strict=False)
     model.tie_weights()
-    path = os.path.join(folder, f"smollm2-{quant}.gguf")
-    write_gguf(model, path, quant=quant, tokenizer=False)
+    path = os.path.join(folder, f"smollm2-{quant}{'-' + '-'.join(by_kind.values()) if by_kind else ''}.gguf")
+    write_gguf(model, path, quant=quant, tokenizer=False, quant_by_kind=by_kind)
     return path
 
 
@@ -62,7 +65,8 @@ def main() -> None:
     args = parser.parse_args()
     folder = tempfile.mkdtemp()
     cases = [("float weights", default_model_path(), None), ("Q4_1 (the file), kept", default_model_path(), "gguf"),
-             ("Q8_0, kept", requantized("Q8_0", folder), "gguf"), ("Q4_0, kept", requantized("Q4_0", folder), "gguf")]
+             ("Q8_0, kept", requantized("Q8_0", folder), "gguf"), ("Q4_0, kept", requantized("Q4_0", folder), "gguf"),
+             ("Q4_0 + Q6_K down, kept", requantized("Q4_0", folder, {"ffn_down": "Q6_K"}), "gguf")]
     engines, info = {}, {}
     for name, path, quantization in cases:
         common = dict(model=path, dtype=args.dtype, quantization=quantization, max_model_len=256 + 16,

@@ -2,7 +2,7 @@
 
 For each row count M, the time of every linear of the 30 decoder layers (qkv 576 -> 960, o 576 -> 576, gate_up
 576 -> 3072, down 1536 -> 576) once, as a step runs them: bf16 through the small-batch kernel (M <= 32) or
-torch (above), against the quantized matmul on kind 8 (Q8_0) and kind 4 (Q4_*) weights of the same shapes
+torch (above), against the quantized matmul on kind 8 (Q8_0), kind 4 (Q4_*) and kind 6 (Q6_K) weights of the same shapes
 (random codes; the time does not depend on the values). Medians of --repeats; one process, interleaved.
 
     python benchmarks/quant_matmul.py [--rows 1,16,64,256] [--repeats 5]
@@ -25,9 +25,9 @@ LAYERS = 30
 
 def quantized(n: int, k: int, kind: int) -> quant_gemm.QuantizedWeight:
     codes = torch.randint(-100, 100, (n, k), dtype=torch.int8).view(torch.uint8) if kind == 8 \
-        else torch.randint(0, 16, (n, k), dtype=torch.uint8)
-    scales = torch.full((n, k // 32), 0.01)
-    return quant_gemm.QuantizedWeight.pack(codes, scales, torch.full_like(scales, -0.08), kind, f"kind {kind}")
+        else torch.randint(0, 64 if kind == 6 else 16, (n, k), dtype=torch.uint8)
+    scales = torch.full((n, k // (16 if kind == 6 else 32)), 0.01)
+    return quant_gemm.QuantizedWeight.pack(codes, scales, torch.full((n, k // 32), -0.08), kind, f"kind {kind}")
 
 
 def step_time(linears, x_by_k: dict[int, torch.Tensor]) -> float:
@@ -45,13 +45,13 @@ def main() -> None:
     args = parser.parse_args()
     bf16 = [(torch.randn(n, k).bfloat16(), k) for n, k in SHAPES]
     packed = [(skinny_gemm.PackedWeight.of(w), k) for w, k in bf16]
-    kinds = {kind: [(quantized(n, k, kind), k) for n, k in SHAPES] for kind in (8, 4)}
+    kinds = {kind: [(quantized(n, k, kind), k) for n, k in SHAPES] for kind in (8, 4, 6)}
     weight_mib = {"bf16": sum(w.numel() * 2 for w, _ in bf16) * LAYERS / 2**20,
                   **{f"kind {kind}": sum(q.nbytes for q, _ in ws) * LAYERS / 2**20 for kind, ws in kinds.items()}}
     print(f"# {cpu_kind()}; quantized matmul: {'AVX512-VNNI int8' if quant_gemm.uses_vnni() else 'float32 tiles'};"
           f" weights per step: " + ", ".join(f"{name} {mib:.0f} MiB" for name, mib in weight_mib.items()) + "\n")
-    print("| rows | bf16 ms | Q8_0 (kind 8) ms | vs bf16 | Q4 (kind 4) ms | vs bf16 |")
-    print("|---|---|---|---|---|---|")
+    print("| rows | bf16 ms | Q8_0 (kind 8) ms | vs bf16 | Q4 (kind 4) ms | vs bf16 | Q6_K (kind 6) ms | vs bf16 |")
+    print("|---|---|---|---|---|---|---|---|")
     for m in (int(r) for r in args.rows.split(",")):
         x = {k: torch.randn(m, k).bfloat16() for _, k in SHAPES}
         if m <= skinny_gemm.MAX_ROWS and all(p is not None for p, _ in packed):
@@ -65,8 +65,8 @@ def main() -> None:
             for name, linears in cases.items():
                 times[name].append(step_time(linears, x))
         ms = {name: 1000 * statistics.median(t[1:]) for name, t in times.items()}
-        print(f"| {m} | {ms['bf16']:.2f} | {ms[8]:.2f} | {ms['bf16'] / ms[8]:.2f}x | {ms[4]:.2f} | "
-              f"{ms['bf16'] / ms[4]:.2f}x |")
+        print(f"| {m} | {ms['bf16']:.2f} | " + " | ".join(f"{ms[kind]:.2f} | {ms['bf16'] / ms[kind]:.2f}x"
+                                                         for kind in (8, 4, 6)) + " |")
 
 
 if __name__ == "__main__":

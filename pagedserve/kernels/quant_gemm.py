@@ -1,10 +1,11 @@
-"""Linear layers on block-quantized weights (csrc/quant_gemm.c): GGUF Q8_0 / Q4_0 / Q4_1 / Q4_K weights kept
-quantized in memory and computed from directly, for any number of rows.
+"""Linear layers on block-quantized weights (csrc/quant_gemm.c): GGUF Q8_0 / Q4_0 / Q4_1 / Q4_K / Q6_K weights
+kept quantized in memory and computed from directly, for any number of rows.
 
 Paths by ISA level (kernels/build.py): avx512_bf16 (whose CPUs all have AVX512-VNNI) quantizes the activations
 per row and group of 32 to int8 and uses VNNI int8 dot products; every other level dequantizes each
 weight record into a float32 tile and multiplies the float activations in (no activation quantization).
-`QuantizedWeight.pack(...)` lays a weight out once; `linear(x, weight, bias)` computes x @ w.T + bias.
+`QuantizedWeight.pack(...)` lays a weight out once (`pack_shards` a fused linear whose shards have different
+kinds); `linear(x, weight, bias)` computes x @ w.T + bias.
 """
 
 from __future__ import annotations
@@ -18,8 +19,11 @@ import torch
 from pagedserve.kernels.build import load_library
 
 GROUP = 32
-KINDS = (8, 4)
-"""8: w = d * q, q int8 (Q8_0). 4: w = d * q + m, q in 0..15 (Q4_0, Q4_1, Q4_K)."""
+KINDS = (8, 4, 6)
+"""8: w = d * q, q int8 (Q8_0). 4: w = d * q + m, q in 0..15 (Q4_0, Q4_1, Q4_K). 6: w = d * (q - 32), q in 0..63,
+d per 16 (Q6_K)."""
+MIXED = 1
+"""The kind of a weight packed by pack_shards: its column blocks have kinds of their own."""
 _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
@@ -62,21 +66,41 @@ class QuantizedWeight:
     @staticmethod
     def pack(codes: torch.Tensor, scales: torch.Tensor, offsets: Optional[torch.Tensor], kind: int,
              source_type: str) -> "QuantizedWeight":
-        """codes [N, K] (int8 for kind 8, uint8 0..15 for kind 4), scales / offsets [N, K / 32] float32
-        (offsets only for kind 4)."""
+        """codes [N, K] (int8 for kind 8, uint8 0..15 for kind 4, 0..63 for kind 6), scales [N, K / 32] float32
+        ([N, K / 16] for kind 6), offsets [N, K / 32] float32 (used by kind 4 only)."""
         n, k = codes.shape
-        if kind not in KINDS or n % 16 or k % GROUP or tuple(scales.shape) != (n, k // GROUP):
+        group = 16 if kind == 6 else GROUP
+        if kind not in KINDS or n % 16 or k % GROUP or tuple(scales.shape) != (n, k // group):
             raise ValueError(f"cannot pack a [{n}, {k}] weight of kind {kind} (needs N % 16 == 0, K % 32 == 0)")
         library = _lib()
         if library is None:
             raise RuntimeError("the quantized matmul kernel is not available here (no C compiler?)")
         codes = codes.contiguous().view(torch.uint8)
         scales = scales.float().contiguous()
-        offsets = torch.zeros_like(scales) if offsets is None else offsets.float().contiguous()
+        offsets = torch.zeros(n, k // GROUP) if offsets is None else offsets.float().contiguous()
         data = torch.empty(library.packed_bytes(n, k, kind), dtype=torch.uint8)
         if library.pack_weight(codes.data_ptr(), scales.data_ptr(), offsets.data_ptr(), data.data_ptr(), n, k, kind):
             raise RuntimeError("quant_gemm pack_weight failed")
         return QuantizedWeight(data, kind, n, k, source_type)
+
+    @staticmethod
+    def pack_shards(shards: list["QuantizedWeight"]) -> "QuantizedWeight":
+        """One weight of the shards' rows in order (each packed alone, with the same in_features), whatever
+        their kinds: a table of (offset, kind) per block of 16 columns, then the shards' records."""
+        k = shards[0].in_features
+        if any(s.in_features != k or s.kind not in KINDS for s in shards):
+            raise ValueError("pack_shards takes packed shards of one in_features")
+        n = sum(s.out_features for s in shards)
+        table = torch.empty(n // 16, 2, dtype=torch.int64)
+        offset, block = table.numel() * 8, 0
+        for shard in shards:
+            blocks = shard.out_features // 16
+            record_bytes = shard.nbytes // (blocks * (k // GROUP))
+            table[block:block + blocks, 0] = offset + torch.arange(blocks) * record_bytes * (k // GROUP)
+            table[block:block + blocks, 1] = shard.kind
+            offset, block = offset + shard.nbytes, block + blocks
+        data = torch.cat([table.view(-1).view(torch.uint8), *(s.data for s in shards)])
+        return QuantizedWeight(data, MIXED, n, k, "+".join(dict.fromkeys(s.source_type for s in shards)))
 
 
 def linear(x: torch.Tensor, weight: QuantizedWeight, bias: Optional[torch.Tensor] = None) -> torch.Tensor:

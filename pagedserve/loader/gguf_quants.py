@@ -69,18 +69,25 @@ def _dequantize_q4_k(blocks: torch.Tensor) -> torch.Tensor:
     return out.reshape(blocks.shape[0], 256)
 
 
-def _dequantize_q6_k(blocks: torch.Tensor) -> torch.Tensor:
-    # Super-block of 256 = 16 sub-blocks of 16. ql: 128 bytes (low 4 bits), qh: 64 bytes (high 2
-    # bits), scales: 16 x int8, d: f16. x = d * scale * (q - 32). Each half of 128 values takes 64
-    # ql bytes (low nibbles: values 0-63, high nibbles: 64-127) and 32 qh bytes (2-bit fields at
-    # shifts 0, 2, 4, 6 for values 0-31, 32-63, 64-95, 96-127).
+def q6_k_codes(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q6_K super-blocks of 256 = 16 sub-blocks of 16 -> (codes [n, 256] uint8 0..63, d * scale [n, 16]); a
+    value is d * scale * (q - 32).
+
+    ql: 128 bytes (low 4 bits), qh: 64 bytes (high 2 bits), scales: 16 x int8, d: f16. Each half of 128 values
+    takes 64 ql bytes (low nibbles: values 0-63, high nibbles: 64-127) and 32 qh bytes (2-bit fields at shifts
+    0, 2, 4, 6 for values 0-31, 32-63, 64-95, 96-127)."""
     n = blocks.shape[0]
     ql = _nibbles(blocks[:, :128].reshape(n, 2, 64))
     qh = blocks[:, 128:192].reshape(n, 2, 32)
     qh = torch.cat([qh & 3, (qh >> 2) & 3, (qh >> 4) & 3, qh >> 6], dim=-1)
-    q = (ql | (qh << 4)).float() - 32.0
-    scales = blocks[:, 192:208].view(torch.int8).float() * _half(blocks, 208)
-    return (q.reshape(n, 16, 16) * scales.unsqueeze(-1)).reshape(n, 256)
+    codes = (ql | (qh << 4)).reshape(n, 256)
+    return codes, blocks[:, 192:208].view(torch.int8).float() * _half(blocks, 208)
+
+
+def _dequantize_q6_k(blocks: torch.Tensor) -> torch.Tensor:
+    codes, scales = q6_k_codes(blocks)
+    q = codes.float() - 32.0
+    return (q.reshape(-1, 16, 16) * scales.unsqueeze(-1)).reshape(-1, 256)
 
 
 _BLOCK_DEQUANTIZERS: dict[QType, Callable[[torch.Tensor], torch.Tensor]] = {

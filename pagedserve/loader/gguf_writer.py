@@ -92,7 +92,58 @@ def _encode(array: np.ndarray, qtype: QType) -> np.ndarray:
         return array.astype(np.float32)
     if qtype == QType.F16:
         return array.astype(np.float16)
+    if qtype in K_QUANTIZERS:  # gguf.quants only dequantizes these
+        if array.shape[-1] % 256:
+            raise ValueError(f"{qtype.name} needs rows of a multiple of 256 values, not {array.shape[-1]}")
+        return K_QUANTIZERS[qtype](array.astype(np.float32))
     return gguf.quants.quantize(array.astype(np.float32), qtype)
+
+
+def quantize_q6_k(array: np.ndarray) -> np.ndarray:
+    """float32 [..., K] (K % 256 == 0) -> Q6_K blocks (uint8 [..., K / 256 * 210]), ggml's layout (see
+    gguf_quants.q6_k_codes): per 16 values a scale that maps the largest magnitude to -32, the 16 scales as int8
+    times one f16 d. A plain rounding, not llama.cpp's error-minimizing search: a valid file for tests and
+    benchmarks, a little less accurate than llama.cpp's."""
+    blocks = array.reshape(-1, 16, 16).astype(np.float32)
+    peak = np.take_along_axis(blocks, np.abs(blocks).argmax(-1)[..., None], -1)[..., 0]
+    sub_scales = peak / -32.0
+    d = (np.abs(sub_scales).max(-1) / 127.0).astype(np.float16)
+    safe_d = np.where(d == 0, 1, d).astype(np.float32)
+    scales = np.clip(np.round(sub_scales / safe_d[:, None]), -128, 127).astype(np.int8)
+    step = d.astype(np.float32)[:, None] * scales.astype(np.float32)
+    q = np.round(blocks / np.where(step == 0, 1, step)[..., None]) + 32
+    q = np.where(step[..., None] == 0, 32, np.clip(q, 0, 63)).astype(np.uint8).reshape(-1, 2, 128)
+    ql = (q[:, :, :64] & 15) | ((q[:, :, 64:] & 15) << 4)
+    top = q >> 4
+    qh = top[:, :, :32] | (top[:, :, 32:64] << 2) | (top[:, :, 64:96] << 4) | (top[:, :, 96:] << 6)
+    out = np.concatenate([ql.reshape(-1, 128), qh.reshape(-1, 64), scales.view(np.uint8),
+                          d[:, None].view(np.uint8)], axis=1)
+    return out.reshape(*array.shape[:-1], array.shape[-1] // 256 * 210)
+
+
+def quantize_q4_k(array: np.ndarray) -> np.ndarray:
+    """float32 [..., K] (K % 256 == 0) -> Q4_K blocks (uint8 [..., K / 256 * 144]), ggml's layout (see
+    gguf_quants.q4_k_groups): per 32 values a scale and a min (value = d * scale * q - dmin * min), both 6-bit
+    multiples of the super-block's f16 d and dmin. A plain rounding, as quantize_q6_k."""
+    groups = array.reshape(-1, 8, 32).astype(np.float32)
+    low = np.minimum(groups.min(-1), 0)
+    spans = (groups.max(-1) - low) / 15.0
+    d = (spans.max(-1) / 63.0).astype(np.float16)
+    dmin = (-low.min(-1) / 63.0).astype(np.float16)
+    sc = np.clip(np.round(spans / np.where(d == 0, 1, d).astype(np.float32)[:, None]), 0, 63).astype(np.uint8)
+    mn = np.clip(np.round(-low / np.where(dmin == 0, 1, dmin).astype(np.float32)[:, None]), 0, 63).astype(np.uint8)
+    step = d.astype(np.float32)[:, None] * sc
+    offset = dmin.astype(np.float32)[:, None] * mn
+    q = np.round((groups + offset[..., None]) / np.where(step == 0, 1, step)[..., None])
+    q = np.where(step[..., None] == 0, 0, np.clip(q, 0, 15)).astype(np.uint8).reshape(-1, 4, 2, 32)
+    qs = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(-1, 128)
+    packed_scales = np.concatenate([sc[:, :4] | ((sc[:, 4:] >> 4) << 6), mn[:, :4] | ((mn[:, 4:] >> 4) << 6),
+                                    (sc[:, 4:] & 15) | ((mn[:, 4:] & 15) << 4)], axis=1)
+    out = np.concatenate([d[:, None].view(np.uint8), dmin[:, None].view(np.uint8), packed_scales, qs], axis=1)
+    return out.reshape(*array.shape[:-1], array.shape[-1] // 256 * 144)
+
+
+K_QUANTIZERS = {QType.Q6_K: quantize_q6_k, QType.Q4_K: quantize_q4_k}
 
 
 def write_gguf(
@@ -103,6 +154,7 @@ def write_gguf(
     tokenizer: bool = True,
     chat_template: Optional[str] = CHATML_TEMPLATE,
     alignment: Optional[int] = None,
+    quant_by_kind: Optional[dict[str, str]] = None,
 ) -> None:
     """Write an HF ``LlamaForCausalLM`` or ``Qwen2ForCausalLM`` (any dtype) to ``path`` as GGUF.
 
@@ -111,6 +163,8 @@ def write_gguf(
     tokenizer: also write a byte-level BPE tokenizer (``byte_tokenizer_vocab``; needs vocab_size >= 259)
     with ``chat_template``.
     alignment: of the tensor data, written as general.alignment (None: llama.cpp's default, 32, not written).
+    quant_by_kind: types for some tensor kinds instead of ``quant`` (``{"attn_v": "Q6_K", "ffn_down": "Q6_K"}``
+    with ``quant="Q4_K"`` is a Q4_K_M-like file); Q4_K and Q6_K are encoded here (quantize_q4_k / _q6_k).
     """
     config = model.config
     arch = _ARCHITECTURES.get(config.model_type)
@@ -179,7 +233,8 @@ def write_gguf(
         if array.ndim == 1:
             writer.add_tensor(gguf_name, array.astype(np.float32))
         else:
-            writer.add_tensor(gguf_name, _encode(array, qtype), raw_dtype=qtype)
+            tensor_type = QType[(quant_by_kind or {}).get(kind, quant)]
+            writer.add_tensor(gguf_name, _encode(array, tensor_type), raw_dtype=tensor_type)
 
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

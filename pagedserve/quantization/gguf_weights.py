@@ -1,10 +1,11 @@
 """GGUF weights kept quantized: a tensor's raw blocks -> the quantized matmul's codes, scales and offsets.
 
 Q8_0 becomes kind 8 (w = d * q); Q4_0, Q4_1 and Q4_K become kind 4 (w = d * q + m, q in 0..15, per group of
-32 along the input dimension: Q4_0's m is -8d, Q4_K's 32-value sub-blocks carry d * scale and -dmin * min).
-The values are exactly those loader/gguf_quants.py dequantizes to (every product of a code and a scale is
-exact in float32, so d * q + (-8d) is (q - 8) * d), so the kernel computes with the weights the float path
-would have loaded. Other types (Q6_K, ...) are dequantized on load.
+32 along the input dimension: Q4_0's m is -8d, Q4_K's 32-value sub-blocks carry d * scale and -dmin * min);
+Q6_K becomes kind 6 (w = d * scale * (q - 32), q in 0..63, per 16-value sub-block). The values are exactly
+those loader/gguf_quants.py dequantizes to (every product of a code and a scale is exact in float32, so
+d * q + (-8d) is (q - 8) * d; Q6_K's d * scale is computed first, as there), so the kernel computes with the
+weights the float path would have loaded. Other types are dequantized on load.
 """
 
 from __future__ import annotations
@@ -14,10 +15,10 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType as QType
 
-from pagedserve.loader.gguf_quants import _half, _nibbles, q4_k_groups
+from pagedserve.loader.gguf_quants import _half, _nibbles, q4_k_groups, q6_k_codes
 from pagedserve.quantization.quantized_tensor import QuantizedTensor
 
-KEPT_TYPES = frozenset({QType.Q8_0, QType.Q4_0, QType.Q4_1, QType.Q4_K})
+KEPT_TYPES = frozenset({QType.Q8_0, QType.Q4_0, QType.Q4_1, QType.Q4_K, QType.Q6_K})
 
 
 def from_gguf(name: str, raw: np.ndarray, qtype: QType, shape: tuple[int, int]) -> QuantizedTensor:
@@ -34,6 +35,10 @@ def from_gguf(name: str, raw: np.ndarray, qtype: QType, shape: tuple[int, int]) 
         scales = _half(blocks, 0)
         offsets = -8.0 * scales if qtype == QType.Q4_0 else _half(blocks, 2)
         kind = 4
+    elif qtype == QType.Q6_K:
+        codes, scales = q6_k_codes(blocks)
+        return QuantizedTensor(name, qtype, codes.reshape(n, k).contiguous(), scales.reshape(n, k // 16).contiguous(),
+                               torch.zeros(n, k // 32), 6)
     else:
         codes, scales, offsets, kind = _q4_k_groups(blocks)
     groups = k // 32

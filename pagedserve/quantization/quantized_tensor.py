@@ -1,5 +1,5 @@
 """A linear weight kept quantized, as the loaders hand it to the model: codes, per-32 scales and offsets
-(quant_gemm's kinds 8 and 4), and QuantizedParts, which joins a fused linear's shards into one
+(quant_gemm's kinds 8, 4 and 6), and QuantizedParts, which joins a fused linear's shards into one
 QuantizedWeight (or dequantizes them where it cannot). gguf_weights.py and hf_quantized.py make them."""
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ class QuantizedTensor:
     qtype: object
     """The GGUF type (a GGMLQuantizationType), or the checkpoint's method for HF checkpoints ("AWQ", "GPTQ")."""
     codes: torch.Tensor
-    """[N, K]: int8 (kind 8) or uint8 0..15 (kind 4)."""
+    """[N, K]: int8 (kind 8), uint8 0..15 (kind 4) or uint8 0..63 (kind 6: w = scale * (q - 32))."""
     scales: torch.Tensor
-    """[N, K / 32] float32."""
+    """[N, K / 32] float32 ([N, K / 16] for kind 6)."""
     offsets: torch.Tensor
     """[N, K / 32] float32 (zeros for kind 8)."""
     kind: int
@@ -47,7 +47,10 @@ class QuantizedTensor:
     def dequantize(self) -> torch.Tensor:
         """The float32 weight (the reference the kernel is tested against)."""
         n, k = self.codes.shape
-        q = (self.codes.view(torch.int8) if self.kind == 8 else self.codes).float().view(n, k // 32, 32)
+        group = 16 if self.kind == 6 else 32
+        q = (self.codes.view(torch.int8) if self.kind == 8 else self.codes).float().view(n, k // group, group)
+        if self.kind == 6:
+            q = q - 32.0
         w = q * self.scales.unsqueeze(-1)
         if self.kind == 4:
             w = w + self.offsets.unsqueeze(-1)
@@ -60,8 +63,9 @@ class QuantizedTensor:
 class QuantizedParts:
     """The quantized tensors a model's load_weights met, by parameter (a fused one has several shards): once
     every shard of a linear is in, `attach` gives the Linear its QuantizedWeight and drops its float weight.
-    A fused linear whose shards are of different kinds (say Q4_K q/k with a Q8_0 v), or only partly
-    quantized, is dequantized into its float weight instead (logged)."""
+    Shards of different kinds (Q4_K_M files: Q4_K q/k with a Q6_K v) are packed each alone and joined
+    (QuantizedWeight.pack_shards); a linear only partly quantized is dequantized into its float weight instead
+    (logged)."""
 
     def __init__(self) -> None:
         self._parts: dict[str, dict[int, tuple[QuantizedTensor, torch.Tensor]]] = {}
@@ -85,21 +89,27 @@ class QuantizedParts:
                     dest.copy_(tensor.dequantize())
                 continue
             linear = model.get_submodule(target.removesuffix(".weight"))
-            linear.quantized = QuantizedWeight.pack(
-                torch.cat([t.codes for t in tensors]), torch.cat([t.scales for t in tensors]),
-                torch.cat([t.offsets for t in tensors]), tensors[0].kind,
-                "+".join(sorted({t.source for t in tensors})))
+            if len({t.kind for t in tensors}) == 1:
+                linear.quantized = QuantizedWeight.pack(
+                    torch.cat([t.codes for t in tensors]), torch.cat([t.scales for t in tensors]),
+                    torch.cat([t.offsets for t in tensors]), tensors[0].kind,
+                    "+".join(sorted({t.source for t in tensors})))
+            else:
+                linear.quantized = QuantizedWeight.pack_shards(
+                    [QuantizedWeight.pack(t.codes, t.scales, t.offsets, t.kind, t.source) for t in tensors])
             linear.input_order = tensors[0].input_order
             linear.weight = torch.nn.Parameter(torch.empty(0, dtype=linear.weight.dtype), requires_grad=False)
 
 
 def _why_not_packed(tensors: list[QuantizedTensor], num_shards: int) -> Optional[str]:
     """Why the shards of one linear cannot become one QuantizedWeight (None: they can)."""
-    rows, columns = sum(t.shape[0] for t in tensors), tensors[0].shape[1]
-    if len(tensors) < num_shards or len({t.kind for t in tensors}) > 1:
-        return f"shards of mixed types ({', '.join(t.source for t in tensors)})"
-    if rows % 16 or columns % 32:
-        return f"shape [{rows}, {columns}] is not a multiple of [16, 32]"
+    columns = tensors[0].shape[1]
+    if len(tensors) < num_shards:
+        return f"only {len(tensors)} of its {num_shards} shards are quantized"
+    if len({t.kind for t in tensors}) > 1 and any(t.shape[0] % 16 for t in tensors):
+        return f"shards of mixed types ({', '.join(t.source for t in tensors)}) not each a multiple of 16 rows"
+    if sum(t.shape[0] for t in tensors) % 16 or columns % 32:
+        return f"shape [{sum(t.shape[0] for t in tensors)}, {columns}] is not a multiple of [16, 32]"
     orders = [t.input_order for t in tensors]
     if any(o is not None for o in orders) and not all(o is not None and torch.equal(o, orders[0]) for o in orders):
         return "its shards order their inputs differently (GPTQ act-order)"

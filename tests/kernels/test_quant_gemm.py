@@ -18,9 +18,9 @@ def random_weight(n: int, k: int, kind: int, seed: int = 0) -> QuantizedTensor:
     if kind == 8:
         codes = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8).view(torch.uint8)
     else:
-        codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
-    scales = (torch.rand(n, groups, generator=g) * 0.02 + 0.001).half().float()
-    offsets = torch.zeros(n, groups) if kind == 8 else -(torch.rand(n, groups, generator=g) * 0.1).half().float()
+        codes = torch.randint(0, 64 if kind == 6 else 16, (n, k), generator=g, dtype=torch.uint8)
+    scales = (torch.rand(n, groups * (2 if kind == 6 else 1), generator=g) * 0.02 + 0.001).half().float()
+    offsets = torch.zeros(n, groups) if kind != 4 else -(torch.rand(n, groups, generator=g) * 0.1).half().float()
     return QuantizedTensor("w", None, codes, scales, offsets, kind)
 
 
@@ -35,7 +35,7 @@ def emulate_vnni(x: torch.Tensor, weight: QuantizedTensor) -> torch.Tensor:
     return torch.einsum("mgi,ngi->mn", xq.double() * s.double(), w)
 
 
-@pytest.mark.parametrize("kind", [8, 4])
+@pytest.mark.parametrize("kind", [8, 4, 6])
 @pytest.mark.parametrize("rows", [1, 5, 16, 33])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_kernel_matches_its_reference(kind, rows, dtype, isa):
@@ -66,7 +66,7 @@ def test_shapes_the_kernel_cannot_take_are_refused():
         quant_gemm.QuantizedWeight.pack(weight.codes[:8], weight.scales[:8], None, 8, "test")
 
 
-@pytest.mark.parametrize("kind", [8, 4])
+@pytest.mark.parametrize("kind", [8, 4, 6])
 def test_many_column_blocks_and_a_long_k_match_the_dequantized_matmul(kind, isa):
     weight = random_weight(256, 1536, kind, seed=7)
     packed = quant_gemm.QuantizedWeight.pack(weight.codes, weight.scales, weight.offsets, kind, "test")
@@ -76,7 +76,7 @@ def test_many_column_blocks_and_a_long_k_match_the_dequantized_matmul(kind, isa)
     assert ((out - reference).abs() <= 1e-5 * reference.abs() + 1e-4).all()
 
 
-@pytest.mark.parametrize("kind", [8, 4])
+@pytest.mark.parametrize("kind", [8, 4, 6])
 def test_a_nan_in_a_row_makes_that_rows_outputs_nan_and_no_other(kind, isa):
     weight = random_weight(32, 64, kind, seed=9)
     packed = quant_gemm.QuantizedWeight.pack(weight.codes, weight.scales, weight.offsets, kind, "test")
@@ -94,3 +94,17 @@ def test_activations_the_kernel_cannot_take_are_a_clear_error():
         quant_gemm.linear(torch.randn(2, 64).half(), packed)
     with pytest.raises(ValueError, match="of 64 features, got torch.float32 \\(2, 32\\)"):
         quant_gemm.linear(torch.randn(2, 32), packed)
+
+
+def test_shards_of_different_kinds_packed_together_give_each_shards_own_result(isa):
+    """A fused linear of Q4_K q/k and a Q6_K v (Q4_K_M files) is packed as one weight of mixed column blocks:
+    each shard's outputs are bit for bit those of the shard alone."""
+    shards = [random_weight(32, 96, 4, seed=11), random_weight(16, 96, 6, seed=12), random_weight(48, 96, 8, seed=13)]
+    alone = [quant_gemm.QuantizedWeight.pack(w.codes, w.scales, w.offsets, w.kind, f"kind {w.kind}") for w in shards]
+    joined = quant_gemm.QuantizedWeight.pack_shards(alone)
+    assert joined.kind == quant_gemm.MIXED and joined.out_features == 96 and joined.source_type == "kind 4+kind 6+kind 8"
+    for rows in (1, 8, 11):
+        x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows)).bfloat16()
+        bias = torch.randn(96).bfloat16()
+        expected = torch.cat([quant_gemm.linear(x, w, b) for w, b in zip(alone, bias.split([32, 16, 48]))], dim=1)
+        assert torch.equal(quant_gemm.linear(x, joined, bias), expected)

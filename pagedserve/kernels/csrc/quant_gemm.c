@@ -1,14 +1,22 @@
-/* Linear layers on block-quantized weights (GGUF Q8_0, Q4_0, Q4_1, Q4_K kept quantized): y[M, N] = x[M, K] .
+/* Linear layers on block-quantized weights (GGUF Q8_0, Q4_0, Q4_1, Q4_K, Q6_K kept quantized): y[M, N] = x[M, K] .
  * w[N, K]^T (+ bias), streaming the quantized weights once per pass, for any M.
  *
- * Weights come in groups of 32 consecutive k of one output column, each with a float32 scale d and offset m:
+ * Weights come in groups of 32 consecutive k of one output column, each with a float32 scale d and offset m
+ * (kind 6: a scale per half of 16):
  *   kind 8: w = d * q, q int8                    (Q8_0)
  *   kind 4: w = d * q + m, q in 0..15 (4 bits)    (Q4_0: m = -8d; Q4_1; Q4_K's 32-value sub-blocks)
+ *   kind 6: w = d_h * (q - 32), q in 0..63 (6 bits), d_h the scale of k's half h (Q6_K's 16-value sub-blocks)
  * pack_weight lays them out once in records, one per (block of 16 columns, group of 32 k), front to back:
- *   codes: kind 8: [8 quads][16 columns][4 k] bytes holding q + 128 (512 bytes); kind 4: [4][16][4] bytes
- *          whose low nibbles hold quad j and high nibbles quad j + 4 (256 bytes: still 4 bits a weight)
- *   d[16], aux[16] float32: aux = m (kind 4), or -128 * d (kind 8, see below)
- * so a record is 640 (kind 8) or 384 (kind 4) bytes, about 1.25 / 0.75 bytes per weight's worth of file.
+ *   codes: kind 8: [8 quads][16 columns][4 k] bytes holding q + 128 (512 bytes); kinds 4 and 6: [4][16][4] bytes
+ *          whose low nibbles hold (the low 4 bits of) quad j and high nibbles quad j + 4 (256 bytes); kind 6
+ *          then [2][16][4] bytes of q's top 2 bits: byte (i, c, at) holds quads i, i + 2, i + 4, i + 6 at bits
+ *          0, 2, 4, 6 (128 bytes)
+ *   kinds 8 and 4: d[16], aux[16] float32: aux = m (kind 4), or -128 * d (kind 8, see below); kind 6: d_0[16],
+ *   d_1[16] float32
+ * so a record is 640 (kind 8), 384 (kind 4) or 512 (kind 6) bytes: 1.25 / 0.75 / 1 bytes a weight.
+ * Kind 1 (mixed) is a fused linear whose shards have different kinds (Q4_K_M files: Q4_K q/k, Q6_K v): its
+ * data starts with a table of 2 int64 per block of 16 columns (the byte offset of its first record in the
+ * data, and its kind), then each shard packed as above.
  *
  * Paths, by the build's -march (kernels/build.py):
  * - AVX-512 VNNI (Zen 4, Intel since Ice Lake): activations are quantized per row and group to int8
@@ -32,8 +40,23 @@
 #define COLS 16
 #define ROWS_PER_PASS 8
 
-static inline int64_t code_bytes(int kind) { return kind == 8 ? 512 : 256; }
+#define MIXED 1
+
+static inline int64_t code_bytes(int kind) { return kind == 8 ? 512 : kind == 6 ? 384 : 256; }
 static inline int64_t record_bytes(int kind) { return code_bytes(kind) + 2 * COLS * (int64_t)sizeof(float); }
+static inline int known_kind(int kind) { return kind == 8 || kind == 4 || kind == 6; }
+
+/* Column block nb's kind and first record: the weight's own kind and place, or a mixed weight's table's. */
+static inline const uint8_t *block_records(const uint8_t *packed, int64_t nb, int64_t groups, int kind,
+                                           int *block_kind) {
+    if (kind != MIXED) {
+        *block_kind = kind;
+        return packed + nb * groups * record_bytes(kind);
+    }
+    const int64_t *table = (const int64_t *)packed;
+    *block_kind = (int)table[2 * nb + 1];
+    return packed + table[2 * nb];
+}
 
 int vnni(void) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -46,12 +69,13 @@ int vnni(void) {
 /* Bytes pack_weight writes for a [n, k] weight of this kind. */
 int64_t packed_bytes(int64_t n, int64_t k, int kind) { return (n / COLS) * (k / GROUP) * record_bytes(kind); }
 
-/* codes [n, k] (int8 for kind 8, 0..15 for kind 4), d and m [n, k / 32] -> records (layout above). */
+/* codes [n, k] (int8 for kind 8, 0..15 for kind 4, 0..63 for kind 6), d [n, k / 32] (kind 6: [n, k / 16]) and
+ * m [n, k / 32] (kind 4 only) -> records (layout above). */
 int pack_weight(const uint8_t *codes, const float *d, const float *m, uint8_t *packed, int64_t n, int64_t k,
                 int kind) {
-    if (n % COLS || k % GROUP || (kind != 8 && kind != 4)) return 1;
+    if (n % COLS || k % GROUP || !known_kind(kind)) return 1;
     const int64_t groups = k / GROUP;
-    memset(packed, 0, (size_t)packed_bytes(n, k, kind)); /* kind 4 ORs the high nibbles in */
+    memset(packed, 0, (size_t)packed_bytes(n, k, kind)); /* kinds 4 and 6 OR their bit fields in */
 #pragma omp parallel for schedule(static)
     for (int64_t nb = 0; nb < n / COLS; ++nb)
         for (int64_t g = 0; g < groups; ++g) {
@@ -64,14 +88,19 @@ int pack_weight(const uint8_t *codes, const float *d, const float *m, uint8_t *p
                     const int64_t quad = kk / 4, at = kk % 4;
                     if (kind == 8) {
                         rec[(quad * COLS + c) * 4 + at] = (uint8_t)(q[kk] ^ 0x80u); /* q + 128, unsigned */
-                    } else if (quad < 4) {
-                        rec[(quad * COLS + c) * 4 + at] = (uint8_t)(q[kk] & 15);
-                    } else {
-                        rec[((quad - 4) * COLS + c) * 4 + at] |= (uint8_t)((q[kk] & 15) << 4);
+                        continue;
                     }
+                    rec[((quad % 4) * COLS + c) * 4 + at] |= (uint8_t)((q[kk] & 15) << (quad < 4 ? 0 : 4));
+                    if (kind == 6)
+                        rec[256 + ((quad % 2) * COLS + c) * 4 + at] |= (uint8_t)(((q[kk] >> 4) & 3) << (2 * (quad / 2)));
                 }
-                rd[c] = d[col * groups + g];
-                ra[c] = kind == 8 ? -128.f * d[col * groups + g] : m[col * groups + g];
+                if (kind == 6) {
+                    rd[c] = d[col * 2 * groups + 2 * g];
+                    ra[c] = d[col * 2 * groups + 2 * g + 1];
+                } else {
+                    rd[c] = d[col * groups + g];
+                    ra[c] = kind == 8 ? -128.f * d[col * groups + g] : m[col * groups + g];
+                }
             }
         }
     return 0;
@@ -98,7 +127,8 @@ static inline void store_block_row(void *y, const float *sums, const void *bias,
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #include <immintrin.h>
 
-/* x rows -> int8 codes [m][k], scales [m][k / 32] and code sums [m][k / 32] (per row and group). A group
+/* x rows -> int8 codes [m][k], scales [m][k / 32] and code sums [m][k / 16] (per row and half group: kind 6's
+ * halves have their own scales; the others add the two). A group
  * holding a NaN or an infinity gets a NaN scale (its codes 0), so that the outputs it feeds are NaN, as
  * the float path's would be. */
 static void quantize_rows(const void *x, int64_t m, int64_t k, int bf16, int8_t *xq, float *xs, int32_t *xsum,
@@ -116,62 +146,89 @@ static void quantize_rows(const void *x, int64_t m, int64_t k, int bf16, int8_t 
                 finite &= isfinite(row[i]);
                 amax = fabsf(row[i]) > amax ? fabsf(row[i]) : amax;
             }
+            int32_t *sums = xsum + r * 2 * groups + 2 * g;
+            sums[0] = sums[1] = 0;
             if (!finite) {
                 memset(xq + r * k + g * GROUP, 0, GROUP);
                 xs[r * groups + g] = NAN;
-                xsum[r * groups + g] = 0;
                 continue;
             }
             const float s = amax / 127.f;
-            int32_t sum = 0;
             for (int64_t i = 0; i < GROUP; ++i) {
                 const int8_t q = s > 0.f ? (int8_t)nearbyintf(row[i] / s) : 0;
                 xq[r * k + g * GROUP + i] = q;
-                sum += q;
+                sums[i / 16] += q;
             }
             xs[r * groups + g] = s;
-            xsum[r * groups + g] = sum;
         }
     }
 }
 
-/* Rows [r0, r0 + rows) of column block nb. Per group, each code vector is used by every row (the rows'
- * int32 sums are independent chains, interleaved), and each row's quad of xq is a broadcast operand. */
+/* The 8 code vectors of a record: quad j's 4 k of each of the 16 columns, as unsigned bytes. */
+static inline __attribute__((always_inline)) void record_codes(const uint8_t *rec, const int kind, __m512i w[8]) {
+    const __m512i low = _mm512_set1_epi8(0x0f), two = _mm512_set1_epi8(0x03);
+    if (kind == 8) {
+        for (int j = 0; j < 8; ++j) w[j] = _mm512_loadu_si512(rec + 64 * j);
+        return;
+    }
+    for (int j = 0; j < 4; ++j) {
+        const __m512i v = _mm512_loadu_si512(rec + 64 * j);
+        w[j] = _mm512_and_si512(v, low);
+        w[j + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+    }
+    if (kind == 6) {
+        const __m512i h[2] = {_mm512_loadu_si512(rec + 256), _mm512_loadu_si512(rec + 320)};
+        /* quad j's top bits sit at bit 2 * (j / 2) of h[j % 2]: move them to bits 4-5 */
+        w[0] = _mm512_or_si512(w[0], _mm512_slli_epi16(_mm512_and_si512(h[0], two), 4));
+        w[1] = _mm512_or_si512(w[1], _mm512_slli_epi16(_mm512_and_si512(h[1], two), 4));
+        w[2] = _mm512_or_si512(w[2], _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(h[0], 2), two), 4));
+        w[3] = _mm512_or_si512(w[3], _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(h[1], 2), two), 4));
+        w[4] = _mm512_or_si512(w[4], _mm512_and_si512(h[0], _mm512_set1_epi8(0x30)));
+        w[5] = _mm512_or_si512(w[5], _mm512_and_si512(h[1], _mm512_set1_epi8(0x30)));
+        w[6] = _mm512_or_si512(w[6], _mm512_and_si512(_mm512_srli_epi16(h[0], 2), _mm512_set1_epi8(0x30)));
+        w[7] = _mm512_or_si512(w[7], _mm512_and_si512(_mm512_srli_epi16(h[1], 2), _mm512_set1_epi8(0x30)));
+    }
+}
+
+/* Rows [r0, r0 + rows) of column block nb (records from `recs`). Per group, each code vector is used by every
+ * row (the rows' int32 sums are independent chains, interleaved), and each row's quad of xq is a broadcast
+ * operand. Kind 6 sums each half of the group apart (its halves have their own scales), in the same registers. */
 static inline __attribute__((always_inline)) void block_vnni(const int8_t *xq, const float *xs, const int32_t *xsum,
-                                                            const uint8_t *packed, const void *bias, void *y,
+                                                            const uint8_t *recs, const void *bias, void *y,
                                                             int64_t r0, int64_t rows, int64_t nb, int64_t n,
                                                             int64_t k, const int kind, int bf16) {
     const int64_t groups = k / GROUP;
+    const int passes = kind == 6 ? 2 : 1, quads = 8 / passes;
     __m512 f[ROWS_PER_PASS];
     for (int64_t r = 0; r < ROWS_PER_PASS; ++r) f[r] = _mm512_setzero_ps();
-    const __m512i low = _mm512_set1_epi8(0x0f);
     for (int64_t g = 0; g < groups; ++g) {
-        const uint8_t *rec = packed + (nb * groups + g) * record_bytes(kind);
+        const uint8_t *rec = recs + g * record_bytes(kind);
+        const float *scales = (const float *)(rec + code_bytes(kind));
         __m512i w[8];
-        if (kind == 8) {
-            for (int j = 0; j < 8; ++j) w[j] = _mm512_loadu_si512(rec + 64 * j);
-        } else {
-            for (int j = 0; j < 4; ++j) {
-                const __m512i v = _mm512_loadu_si512(rec + 64 * j);
-                w[j] = _mm512_and_si512(v, low);
-                w[j + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-            }
-        }
-        __m512i acc[ROWS_PER_PASS];
-        for (int64_t r = 0; r < ROWS_PER_PASS; ++r) acc[r] = _mm512_setzero_si512();
-        for (int j = 0; j < 8; ++j)
+        record_codes(rec, kind, w);
+        for (int half = 0; half < passes; ++half) {
+            __m512i acc[ROWS_PER_PASS];
+            for (int64_t r = 0; r < ROWS_PER_PASS; ++r) acc[r] = _mm512_setzero_si512();
+            for (int j = half * quads; j < (half + 1) * quads; ++j)
+                for (int64_t r = 0; r < rows; ++r) {
+                    int32_t quad;
+                    memcpy(&quad, xq + (r0 + r) * k + g * GROUP + 4 * j, sizeof quad);
+                    acc[r] = _mm512_dpbusd_epi32(acc[r], w[j], _mm512_set1_epi32(quad));
+                }
+            const __m512 dv = _mm512_loadu_ps(scales + half * COLS);
             for (int64_t r = 0; r < rows; ++r) {
-                int32_t quad;
-                memcpy(&quad, xq + (r0 + r) * k + g * GROUP + 4 * j, sizeof quad);
-                acc[r] = _mm512_dpbusd_epi32(acc[r], w[j], _mm512_set1_epi32(quad));
+                const int64_t row = r0 + r;
+                const float s = xs[row * groups + g];
+                const int32_t *sums = xsum + row * 2 * groups + 2 * g;
+                if (kind == 6) { /* sum (q - 32) xq = dot - 32 sum(xq), exact in int32 */
+                    const __m512i dot = _mm512_sub_epi32(acc[r], _mm512_set1_epi32(32 * sums[half]));
+                    f[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dv, _mm512_set1_ps(s)), f[r]);
+                    continue;
+                }
+                const __m512 av = _mm512_loadu_ps(scales + COLS);
+                f[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r]), _mm512_mul_ps(dv, _mm512_set1_ps(s)), f[r]);
+                f[r] = _mm512_fmadd_ps(av, _mm512_set1_ps(s * (float)(sums[0] + sums[1])), f[r]);
             }
-        const __m512 dv = _mm512_loadu_ps((const float *)(rec + code_bytes(kind)));
-        const __m512 av = _mm512_loadu_ps((const float *)(rec + code_bytes(kind)) + COLS);
-        for (int64_t r = 0; r < rows; ++r) {
-            const int64_t row = r0 + r;
-            const float s = xs[row * groups + g];
-            f[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r]), _mm512_mul_ps(dv, _mm512_set1_ps(s)), f[r]);
-            f[r] = _mm512_fmadd_ps(av, _mm512_set1_ps(s * (float)xsum[row * groups + g]), f[r]);
         }
     }
     for (int64_t r = 0; r < rows; ++r) {
@@ -186,19 +243,19 @@ static inline __attribute__((always_inline)) void block_vnni(const int8_t *xq, c
 #define BLOCK_CALL(KIND)                                                                                  \
     do {                                                                                                  \
         if (rows == ROWS_PER_PASS)                                                                        \
-            block_vnni(xq, xs, xsum, packed, bias, y, r0, ROWS_PER_PASS, nb, n, k, KIND, bf16);           \
+            block_vnni(xq, xs, xsum, recs, bias, y, r0, ROWS_PER_PASS, nb, n, k, KIND, bf16);             \
         else if (rows == 1) /* single-stream decode */                                                    \
-            block_vnni(xq, xs, xsum, packed, bias, y, r0, 1, nb, n, k, KIND, bf16);                       \
+            block_vnni(xq, xs, xsum, recs, bias, y, r0, 1, nb, n, k, KIND, bf16);                         \
         else                                                                                              \
-            block_vnni(xq, xs, xsum, packed, bias, y, r0, rows, nb, n, k, KIND, bf16);                    \
+            block_vnni(xq, xs, xsum, recs, bias, y, r0, rows, nb, n, k, KIND, bf16);                      \
     } while (0)
 
 int quant_gemm(const void *x, const uint8_t *packed, const void *bias, void *y, int64_t m, int64_t n, int64_t k,
                int kind, int bf16, int threads) {
-    if (n % COLS || k % GROUP || (kind != 8 && kind != 4)) return 1;
+    if (n % COLS || k % GROUP || !(known_kind(kind) || kind == MIXED)) return 1;
     int8_t *xq = malloc((size_t)(m * k));
     float *xs = malloc(sizeof(float) * (size_t)(m * (k / GROUP)));
-    int32_t *xsum = malloc(sizeof(int32_t) * (size_t)(m * (k / GROUP)));
+    int32_t *xsum = malloc(sizeof(int32_t) * (size_t)(m * (k / 16)));
     if (!xq || !xs || !xsum) {
         free(xq), free(xs), free(xsum);
         return 2;
@@ -208,8 +265,12 @@ int quant_gemm(const void *x, const uint8_t *packed, const void *bias, void *y, 
     for (int64_t nb = 0; nb < n / COLS; ++nb)
         for (int64_t r0 = 0; r0 < m; r0 += ROWS_PER_PASS) {
             const int64_t rows = m - r0 < ROWS_PER_PASS ? m - r0 : ROWS_PER_PASS;
-            if (kind == 8)
+            int block_kind;
+            const uint8_t *recs = block_records(packed, nb, k / GROUP, kind, &block_kind);
+            if (block_kind == 8)
                 BLOCK_CALL(8);
+            else if (block_kind == 6)
+                BLOCK_CALL(6);
             else
                 BLOCK_CALL(4);
         }
@@ -227,9 +288,15 @@ static inline void record_to_tile(const uint8_t *rec, int kind, float tile[GROUP
         for (int64_t c = 0; c < COLS; ++c) {
             if (kind == 8) {
                 tile[kk][c] = d[c] * (float)((int)rec[(quad * COLS + c) * 4 + at] - 128);
-            } else {
-                const uint8_t byte = rec[((quad % 4) * COLS + c) * 4 + at];
-                tile[kk][c] = d[c] * (float)(quad < 4 ? byte & 15 : byte >> 4) + m[c];
+                continue;
+            }
+            const uint8_t byte = rec[((quad % 4) * COLS + c) * 4 + at];
+            const int low = quad < 4 ? byte & 15 : byte >> 4;
+            if (kind == 4) {
+                tile[kk][c] = d[c] * (float)low + m[c];
+            } else { /* kind 6: the half's scale times the signed code, as the float loader computes it */
+                const int top = (rec[256 + ((quad % 2) * COLS + c) * 4 + at] >> (2 * (quad / 2))) & 3;
+                tile[kk][c] = (float)(low + 16 * top - 32) * d[(kk / 16) * COLS + c];
             }
         }
     }
@@ -237,7 +304,7 @@ static inline void record_to_tile(const uint8_t *rec, int kind, float tile[GROUP
 
 int quant_gemm(const void *x, const uint8_t *packed, const void *bias, void *y, int64_t m, int64_t n, int64_t k,
                int kind, int bf16, int threads) {
-    if (n % COLS || k % GROUP || (kind != 8 && kind != 4)) return 1;
+    if (n % COLS || k % GROUP || !(known_kind(kind) || kind == MIXED)) return 1;
     float *xf = malloc(sizeof(float) * (size_t)(m * k));
     if (!xf) return 2;
     for (int64_t i = 0; i < m * k; ++i) xf[i] = value_at(x, i, bf16);
@@ -247,8 +314,10 @@ int quant_gemm(const void *x, const uint8_t *packed, const void *bias, void *y, 
         for (int64_t r0 = 0; r0 < m; r0 += ROWS_PER_PASS) {
             const int64_t rows = m - r0 < ROWS_PER_PASS ? m - r0 : ROWS_PER_PASS;
             float acc[ROWS_PER_PASS][COLS] = {{0.f}}, tile[GROUP][COLS];
+            int block_kind;
+            const uint8_t *recs = block_records(packed, nb, groups, kind, &block_kind);
             for (int64_t g = 0; g < groups; ++g) {
-                record_to_tile(packed + (nb * groups + g) * record_bytes(kind), kind, tile);
+                record_to_tile(recs + g * record_bytes(block_kind), block_kind, tile);
                 for (int64_t r = 0; r < rows; ++r) {
                     const float *xr = xf + (r0 + r) * k + g * GROUP;
                     for (int64_t kk = 0; kk < GROUP; ++kk)
