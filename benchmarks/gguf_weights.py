@@ -69,12 +69,14 @@ def main() -> None:
              ("Q4_0 + Q6_K down, kept", requantized("Q4_0", folder, {"ffn_down": "Q6_K"}), "gguf")]
     engines, info = {}, {}
     for name, path, quantization in cases:
+        # The KV cache is committed at start, so each of the engines gets what its batch needs (about 23 KiB a
+        # token in bf16), not one size for all: 10 engines of 2 GiB did not fit in 24 GB.
         common = dict(model=path, dtype=args.dtype, quantization=quantization, max_model_len=256 + 16,
-                      skip_tokenizer_init=True, kv_cache_memory_bytes=2 << 30)
+                      skip_tokenizer_init=True)
         start = time.perf_counter()
-        w1 = LLMEngine.from_kwargs(**common, max_num_seqs=256)
+        w1 = LLMEngine.from_kwargs(**common, max_num_seqs=256, kv_cache_memory_bytes=(args.w1_requests * 8) << 20)
         load = time.perf_counter() - start
-        engines[name] = (w1, LLMEngine.from_kwargs(**common, max_num_seqs=16))
+        engines[name] = (w1, LLMEngine.from_kwargs(**common, max_num_seqs=16, kv_cache_memory_bytes=256 << 20))
         info[name] = (os.path.getsize(path), weight_bytes(w1), load)
         for engine in engines[name]:
             warm_up(engine, [])
