@@ -47,6 +47,7 @@ class _Out(BaseModel):
 
 
 FinishReason = Literal["stop", "length", "abort"]
+ChatFinishReason = Optional[Union[FinishReason, Literal["tool_calls"]]]
 StopReason = Union[int, str, None]
 """The stop token id or stop string that ended a choice (None: EOS, max_tokens, or not finished)."""
 
@@ -163,7 +164,7 @@ class ChatChoice(_Out):
     index: int
     message: ChatCompletionMessage
     logprobs: Optional[ChatLogprobs]
-    finish_reason: Optional[Union[FinishReason, Literal["tool_calls"]]]
+    finish_reason: ChatFinishReason
     stop_reason: StopReason
     token_ids: list[int] = absent("With return_token_ids: the generated token ids.")
 
@@ -200,7 +201,7 @@ class ChatChunkChoice(_Out):
     index: int
     delta: ChatDelta
     logprobs: Optional[ChatLogprobs]
-    finish_reason: Optional[Union[FinishReason, Literal["tool_calls"]]]
+    finish_reason: ChatFinishReason
     stop_reason: StopReason = absent("In a choice's last chunk (the one with a finish_reason).")
     token_ids: list[int] = absent("With return_token_ids: the ids generated since this choice's last chunk.")
 

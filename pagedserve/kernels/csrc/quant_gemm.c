@@ -176,17 +176,11 @@ static inline __attribute__((always_inline)) void record_codes(const uint8_t *re
         w[j] = _mm512_and_si512(v, low);
         w[j + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
     }
-    if (kind == 6) {
+    if (kind == 6) { /* quad j's top 2 bits sit at bit 2 * (j / 2) of h[j % 2]: moved to bits 4-5 */
         const __m512i h[2] = {_mm512_loadu_si512(rec + 256), _mm512_loadu_si512(rec + 320)};
-        /* quad j's top bits sit at bit 2 * (j / 2) of h[j % 2]: move them to bits 4-5 */
-        w[0] = _mm512_or_si512(w[0], _mm512_slli_epi16(_mm512_and_si512(h[0], two), 4));
-        w[1] = _mm512_or_si512(w[1], _mm512_slli_epi16(_mm512_and_si512(h[1], two), 4));
-        w[2] = _mm512_or_si512(w[2], _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(h[0], 2), two), 4));
-        w[3] = _mm512_or_si512(w[3], _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(h[1], 2), two), 4));
-        w[4] = _mm512_or_si512(w[4], _mm512_and_si512(h[0], _mm512_set1_epi8(0x30)));
-        w[5] = _mm512_or_si512(w[5], _mm512_and_si512(h[1], _mm512_set1_epi8(0x30)));
-        w[6] = _mm512_or_si512(w[6], _mm512_and_si512(_mm512_srli_epi16(h[0], 2), _mm512_set1_epi8(0x30)));
-        w[7] = _mm512_or_si512(w[7], _mm512_and_si512(_mm512_srli_epi16(h[1], 2), _mm512_set1_epi8(0x30)));
+        for (int j = 0; j < 8; ++j)
+            w[j] = _mm512_or_si512(w[j], _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(h[j % 2], 2 * (j / 2)),
+                                                                            two), 4));
     }
 }
 
