@@ -5,8 +5,8 @@ Cases: the float weights (the default model's file dequantized to --dtype, as wi
 default model's own file (Q4_1) kept quantized, and the same weights requantized to Q8_0, Q4_0, and Q4_0 with a
 Q6_K down_proj (llama.cpp's Q4_K_M keeps down in Q6_K; the model's other linears take 576 inputs, which K-quants'
 rows of 256 do not divide, so llama.cpp falls back to a 32-group type for them too) (written here
-with pagedserve's GGUF writer from the float weights; their token embeddings stay float in memory, as the
-loader keeps only the decoder layers' linear weights quantized). Prompts are random token ids, so the
+with pagedserve's GGUF writer from the float weights, token embeddings in the same type; kept quantized, the tied
+token embeddings / LM head are one quantized table too). Prompts are random token ids, so the
 requantized files need no tokenizer of their own. The cases run interleaved --repeats times; medians.
 
     python benchmarks/gguf_weights.py [--repeats 2] [--dtype auto] [--w1-requests 256]

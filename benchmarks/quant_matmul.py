@@ -2,8 +2,10 @@
 
 For each row count M, the time of every linear of the 30 decoder layers (qkv 576 -> 960, o 576 -> 576, gate_up
 576 -> 3072, down 1536 -> 576) once, as a step runs them: bf16 through the small-batch kernel (M <= 32) or
-torch (above), against the quantized matmul on kind 8 (Q8_0), kind 4 (Q4_*) and kind 6 (Q6_K) weights of the same shapes
-(random codes; the time does not depend on the values). Medians of --repeats; one process, interleaved.
+torch (above), against the quantized matmul on weights of the same shapes stored as each GGUF type's are (random
+codes; the time does not depend on the values): Q8_0 (kind 8) and Q4_1 (kind 4) with float16 scales, Q4_0 (kind 4
+symmetric: no offsets), Q4_K (kind 4, float32 scales: d x a 6-bit scale is no float16) and Q6_K (kind 6, float32
+scales). Medians of --repeats; one process, interleaved.
 
     python benchmarks/quant_matmul.py [--rows 1,16,64,256] [--repeats 5]
 """
@@ -23,11 +25,18 @@ SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in) per lay
 LAYERS = 30
 
 
-def quantized(n: int, k: int, kind: int) -> quant_gemm.QuantizedWeight:
+TYPES = {"Q8_0": (8, True, False), "Q4_1": (4, True, False), "Q4_0": (4, True, True), "Q4_K": (4, False, False),
+         "Q6_K": (6, False, False)}
+"""GGUF type -> (kind, float16 scales, symmetric) as the loader packs it."""
+
+
+def quantized(n: int, k: int, gguf_type: str) -> quant_gemm.QuantizedWeight:
+    kind, half, symmetric = TYPES[gguf_type]
     codes = torch.randint(-100, 100, (n, k), dtype=torch.int8).view(torch.uint8) if kind == 8 \
         else torch.randint(0, 64 if kind == 6 else 16, (n, k), dtype=torch.uint8)
     scales = torch.full((n, k // (16 if kind == 6 else 32)), 0.01)
-    return quant_gemm.QuantizedWeight.pack(codes, scales, torch.full((n, k // 32), -0.08), kind, f"kind {kind}")
+    offsets = -8 * scales if symmetric else torch.full((n, k // 32), -0.07)  # -0.08 would be -8 x 0.01: symmetric
+    return quant_gemm.QuantizedWeight.pack(codes, scales, offsets, kind, gguf_type, half_scales=half)
 
 
 def step_time(linears, x_by_k: dict[int, torch.Tensor]) -> float:
@@ -45,13 +54,13 @@ def main() -> None:
     args = parser.parse_args()
     bf16 = [(torch.randn(n, k).bfloat16(), k) for n, k in SHAPES]
     packed = [(skinny_gemm.PackedWeight.of(w), k) for w, k in bf16]
-    kinds = {kind: [(quantized(n, k, kind), k) for n, k in SHAPES] for kind in (8, 4, 6)}
+    kinds = {name: [(quantized(n, k, name), k) for n, k in SHAPES] for name in TYPES}
     weight_mib = {"bf16": sum(w.numel() * 2 for w, _ in bf16) * LAYERS / 2**20,
-                  **{f"kind {kind}": sum(q.nbytes for q, _ in ws) * LAYERS / 2**20 for kind, ws in kinds.items()}}
+                  **{name: sum(q.nbytes for q, _ in ws) * LAYERS / 2**20 for name, ws in kinds.items()}}
     print(f"# {cpu_kind()}; quantized matmul: {'AVX512-VNNI int8' if quant_gemm.uses_vnni() else 'float32 tiles'};"
           f" weights per step: " + ", ".join(f"{name} {mib:.0f} MiB" for name, mib in weight_mib.items()) + "\n")
-    print("| rows | bf16 ms | Q8_0 (kind 8) ms | vs bf16 | Q4 (kind 4) ms | vs bf16 | Q6_K (kind 6) ms | vs bf16 |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| rows | bf16 ms | " + " | ".join(f"{name} ms | vs bf16" for name in TYPES) + " |")
+    print("|---" * (2 + 2 * len(TYPES)) + "|")
     for m in (int(r) for r in args.rows.split(",")):
         x = {k: torch.randn(m, k).bfloat16() for _, k in SHAPES}
         if m <= skinny_gemm.MAX_ROWS and all(p is not None for p, _ in packed):
@@ -66,7 +75,7 @@ def main() -> None:
                 times[name].append(step_time(linears, x))
         ms = {name: 1000 * statistics.median(t[1:]) for name, t in times.items()}
         print(f"| {m} | {ms['bf16']:.2f} | " + " | ".join(f"{ms[kind]:.2f} | {ms['bf16'] / ms[kind]:.2f}x"
-                                                         for kind in (8, 4, 6)) + " |")
+                                                         for kind in TYPES) + " |")
 
 
 if __name__ == "__main__":

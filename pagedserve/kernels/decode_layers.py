@@ -177,7 +177,7 @@ def _linears(layer) -> tuple:
 def _weight(linear) -> tuple[Optional[int], int]:
     """(pointer, kind): the bf16 packed weight (kind 0) or the block-quantized one (its kind)."""
     if linear.quantized is not None:
-        return linear.quantized.data.data_ptr(), linear.quantized.kind
+        return linear.quantized.data.data_ptr(), linear.quantized.kernel_kind
     return linear.packed.data.data_ptr(), 0
 
 

@@ -5,7 +5,10 @@ Paths by ISA level (kernels/build.py): avx512_bf16 (whose CPUs all have AVX512-V
 per row and group of 32 to int8 and uses VNNI int8 dot products; every other level dequantizes each
 weight record into a float32 tile and multiplies the float activations in (no activation quantization).
 `QuantizedWeight.pack(...)` lays a weight out once (`pack_shards` a fused linear whose shards have different
-kinds); `linear(x, weight, bias)` computes x @ w.T + bias.
+kinds), with float16 scales where every scale and offset is one exactly (Q8_0, Q4_0, Q4_1: the weight then takes
+what the file does) and no stored offsets where they are -8 x the scale (Q4_0); `linear(x, weight, bias)`
+computes x @ w.T + bias, and `rows(ids, weight, dtype)` dequantizes rows of a weight used as a table (token
+embeddings that are also the LM head).
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ KINDS = (8, 4, 6)
 d per 16 (Q6_K)."""
 MIXED = 1
 """The kind of a weight packed by pack_shards: its column blocks have kinds of their own."""
+HALF_SCALES, SYMMETRIC = 16, 32
+"""Flags on the kind the C code takes (csrc/quant_gemm.c): scales stored as float16; kind 4 with m = -8d."""
 _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
@@ -35,7 +40,9 @@ def _lib() -> Optional[ctypes.CDLL]:
         library.packed_bytes.argtypes = [_I64, _I64, _INT]
         library.packed_bytes.restype = _I64
         library.quant_gemm.argtypes = [_P, _P, _P, _P, _I64, _I64, _I64, _INT, _INT, _INT]
-        library.pack_weight.restype = library.quant_gemm.restype = library.vnni.restype = _INT
+        library.dequantize_rows.argtypes = [_P, _P, _I64, _P, _I64, _I64, _INT, _INT, _INT]
+        for function in (library.pack_weight, library.quant_gemm, library.vnni, library.dequantize_rows):
+            function.restype = _INT
         library._typed = True
     return library
 
@@ -58,16 +65,24 @@ class QuantizedWeight:
     in_features: int
     source_type: str
     """The GGUF type the weight came from (Q8_0, Q4_1, ...), for logs."""
+    flags: int = 0
+    """HALF_SCALES and SYMMETRIC, as pack chose them (0 for MIXED: its table holds each block's)."""
 
     @property
     def nbytes(self) -> int:
         return self.data.numel()
 
+    @property
+    def kernel_kind(self) -> int:
+        """The kind with its flags, as the C functions take it."""
+        return self.kind | self.flags
+
     @staticmethod
     def pack(codes: torch.Tensor, scales: torch.Tensor, offsets: Optional[torch.Tensor], kind: int,
-             source_type: str) -> "QuantizedWeight":
+             source_type: str, half_scales: Optional[bool] = None) -> "QuantizedWeight":
         """codes [N, K] (int8 for kind 8, uint8 0..15 for kind 4, 0..63 for kind 6), scales [N, K / 32] float32
-        ([N, K / 16] for kind 6), offsets [N, K / 32] float32 (used by kind 4 only)."""
+        ([N, K / 16] for kind 6), offsets [N, K / 32] float32 (used by kind 4 only). half_scales: store the
+        scales as float16 (None: where that is exact)."""
         n, k = codes.shape
         group = 16 if kind == 6 else GROUP
         if kind not in KINDS or n % 16 or k % GROUP or tuple(scales.shape) != (n, k // group):
@@ -75,13 +90,19 @@ class QuantizedWeight:
         library = _lib()
         if library is None:
             raise RuntimeError("the quantized matmul kernel is not available here (no C compiler?)")
-        codes = codes.contiguous().view(torch.uint8)
         scales = scales.float().contiguous()
-        offsets = torch.zeros(n, k // GROUP) if offsets is None else offsets.float().contiguous()
-        data = torch.empty(library.packed_bytes(n, k, kind), dtype=torch.uint8)
-        if library.pack_weight(codes.data_ptr(), scales.data_ptr(), offsets.data_ptr(), data.data_ptr(), n, k, kind):
+        offsets = torch.zeros(n, k // GROUP) if offsets is None or kind != 4 else offsets.float().contiguous()
+        flags = SYMMETRIC if kind == 4 and torch.equal(offsets, -8.0 * scales) else 0
+        if half_scales is None:
+            half_scales = _exact_in_half(scales) and (kind != 4 or _exact_in_half(offsets))
+        if half_scales:
+            flags |= HALF_SCALES
+            scales, offsets = scales.half(), offsets.half()
+        data = torch.empty(library.packed_bytes(n, k, kind | flags), dtype=torch.uint8)
+        if library.pack_weight(codes.contiguous().view(torch.uint8).data_ptr(), scales.data_ptr(),
+                               offsets.data_ptr(), data.data_ptr(), n, k, kind | flags):
             raise RuntimeError("quant_gemm pack_weight failed")
-        return QuantizedWeight(data, kind, n, k, source_type)
+        return QuantizedWeight(data, kind, n, k, source_type, flags)
 
     @staticmethod
     def pack_shards(shards: list["QuantizedWeight"]) -> "QuantizedWeight":
@@ -97,7 +118,7 @@ class QuantizedWeight:
             blocks = shard.out_features // 16
             record_bytes = shard.nbytes // (blocks * (k // GROUP))
             table[block:block + blocks, 0] = offset + torch.arange(blocks) * record_bytes * (k // GROUP)
-            table[block:block + blocks, 1] = shard.kind
+            table[block:block + blocks, 1] = shard.kernel_kind
             offset, block = offset + shard.nbytes, block + blocks
         data = torch.cat([table.view(-1).view(torch.uint8), *(s.data for s in shards)])
         return QuantizedWeight(data, MIXED, n, k, "+".join(dict.fromkeys(s.source_type for s in shards)))
@@ -114,8 +135,30 @@ def linear(x: torch.Tensor, weight: QuantizedWeight, bias: Optional[torch.Tensor
     if bias is not None:
         bias = bias.detach().to(x.dtype).contiguous()
     status = _lib().quant_gemm(x.data_ptr(), weight.data.data_ptr(), None if bias is None else bias.data_ptr(),
-                               y.data_ptr(), m, weight.out_features, weight.in_features, weight.kind,
+                               y.data_ptr(), m, weight.out_features, weight.in_features, weight.kernel_kind,
                                _DTYPES[x.dtype], torch.get_num_threads())
     if status != 0:
         raise RuntimeError(f"quant_gemm failed (status {status})")
     return y
+
+
+def rows(ids: torch.Tensor, weight: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
+    """Rows `ids` (any shape, int) of the [N, K] weight used as a lookup table -> [*ids.shape, K] in dtype
+    (float32 or bf16): each the float32 dequantized row exactly, rounded to dtype. An id outside 0..N-1 is an
+    IndexError."""
+    if dtype not in _DTYPES:
+        raise ValueError(f"quantized rows come as float32 or bfloat16, not {dtype}")
+    flat = ids.reshape(-1).to(torch.int64).contiguous()
+    out = torch.empty(flat.numel(), weight.in_features, dtype=dtype)
+    status = _lib().dequantize_rows(weight.data.data_ptr(), flat.data_ptr(), flat.numel(), out.data_ptr(),
+                                    weight.out_features, weight.in_features, weight.kernel_kind, _DTYPES[dtype],
+                                    torch.get_num_threads())
+    if status == 3:
+        raise IndexError(f"index out of range: ids must lie in 0..{weight.out_features - 1}")
+    if status != 0:
+        raise RuntimeError(f"quant_gemm dequantize_rows failed (status {status})")
+    return out.view(*ids.shape, weight.in_features)
+
+
+def _exact_in_half(values: torch.Tensor) -> bool:
+    return torch.equal(values.half().float(), values)

@@ -66,7 +66,9 @@ LAYER_TENSOR_NAMES = {
 # factors, which the config expresses as rope_parameters instead.
 NON_PARAMETER_TENSORS = {"rope_freqs.weight"}
 LINEAR_KINDS = {"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"}
-"""The decoder layers' linear weights: the ones --quantization gguf keeps quantized."""
+"""The decoder layers' linear weights."""
+KEPT_KINDS = LINEAR_KINDS | {"token_embd", "output"}
+"""The weights --quantization gguf keeps quantized: the linears, the token embeddings and the LM head."""
 
 # What metadata of the wrong type or value (a string where an int belongs, 0 heads) makes building the config
 # raise, here or in transformers' validation of it; each becomes a ValueError naming the file.
@@ -249,8 +251,9 @@ class GGUFCheckpoint:
                      keep_quantized: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield (HF parameter name, tensor) for every weight, dequantized to ``dtype``, in file order.
 
-        keep_quantized: linear-layer weights of a type the quantized matmul takes (quantization/gguf_weights.py:
-        Q8_0, Q4_0, Q4_1, Q4_K) come as a QuantizedTensor instead (--quantization gguf).
+        keep_quantized: linear-layer weights, token embeddings and LM head of a type the quantized matmul takes
+        (quantization/gguf_weights.py: Q8_0, Q4_0, Q4_1, Q4_K, Q6_K) come as a QuantizedTensor instead
+        (--quantization gguf).
 
         Tensors have HF shapes ([out_features, in_features] for linear weights) and, for llama, the
         q/k rows in HF order, so they equal the weights of the HF checkpoint the file was made from
@@ -276,7 +279,7 @@ class GGUFCheckpoint:
             shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
             kind = tensor.name.split(".")[-2]
             with _torch_threads(num_threads):  # not across the yield: the caller's ops keep their setting
-                if keep_quantized and kind in LINEAR_KINDS and tensor.tensor_type in gguf_weights.KEPT_TYPES:
+                if keep_quantized and kind in KEPT_KINDS and tensor.tensor_type in gguf_weights.KEPT_TYPES:
                     weight = gguf_weights.from_gguf(tensor.name, tensor.data, tensor.tensor_type, shape)
                     if kind in rope_heads:
                         weight = weight.rows(unpermute_rope_rows(torch.arange(shape[0])[:, None],

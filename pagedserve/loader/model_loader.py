@@ -199,11 +199,15 @@ def _checkpoint_method(checkpoint) -> Optional[str]:
 def _log_quantized(model: torch.nn.Module) -> None:
     from pagedserve.kernels import quant_gemm
 
-    weights = [m.quantized for m in model.modules() if getattr(m, "quantized", None) is not None]
-    if weights:
-        types = sorted({w.source_type for w in weights})
-        logger.info("%d linear weights kept quantized (%s, %.1f MiB), computed by the %s kernel", len(weights),
-                    ", ".join(types), sum(w.nbytes for w in weights) / 2**20,
+    kept = [(name, m.quantized) for name, m in model.named_modules() if getattr(m, "quantized", None) is not None]
+    if kept:
+        weights = [w for _, w in kept]
+        tables = [name.rsplit(".", 1)[-1] for name, _ in kept if name.endswith(("embed_tokens", "lm_head"))]
+        half = sum(w.nbytes for w in weights if w.flags & quant_gemm.HALF_SCALES)
+        logger.info("%d weights kept quantized (%s%s; %.1f MiB, %.0f%% of it with float16 scales), computed by the "
+                    "%s kernel", len(weights), ", ".join(sorted({w.source_type for w in weights})),
+                    f"; with {' and '.join(tables)}" if tables else "", sum(w.nbytes for w in weights) / 2**20,
+                    100 * half / sum(w.nbytes for w in weights),
                     "AVX512-VNNI int8 (activations quantized per 32)" if quant_gemm.uses_vnni()
                     else "dequantize-a-tile float32")
 

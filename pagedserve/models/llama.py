@@ -15,12 +15,13 @@ from torch import nn
 from pagedserve.attention.torch_paged import paged_attention
 from pagedserve.executor.cpu_allocator import huge_page_zeros
 from pagedserve.executor.forward_context import get_attention_metadata, get_lora_mapping
-from pagedserve.kernels import fused_ops, skinny_gemm
+from pagedserve.kernels import fused_ops, quant_gemm, skinny_gemm
 from pagedserve.kernels.decode_layers import DecodeLayers
 from pagedserve.layers.activation import silu_and_mul
 from pagedserve.layers.linear import Linear
 from pagedserve.layers.norm import RMSNorm
 from pagedserve.layers.rotary import RotaryEmbedding, apply_rotary
+from pagedserve.layers.vocab_embedding import VocabEmbedding
 from pagedserve.quantization.quantized_tensor import QuantizedParts, QuantizedTensor
 
 
@@ -103,7 +104,7 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config, qkv_bias: bool, o_bias: bool) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, qkv_bias, o_bias)
                                     for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -124,7 +125,7 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(config, *self.attention_biases(config))
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         attn = self.model.layers[0].self_attn
         self.rotary = RotaryEmbedding(config, attn.head_dim, max_positions)
         self._packed_lm_head: Optional[skinny_gemm.PackedWeight] = None
@@ -139,6 +140,11 @@ class LlamaForCausalLM(nn.Module):
     @property
     def lm_head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
+
+    @property
+    def quantized_lm_head(self) -> Optional[quant_gemm.QuantizedWeight]:
+        """The LM head's weight where it is kept quantized (tied: the embedding table's records), else None."""
+        return (self.model.embed_tokens if self.tie_word_embeddings else self.lm_head).quantized
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden = self.model.embed_tokens(input_ids)
@@ -162,6 +168,8 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in the model dtype, as the reference computes them; the sampler widens them to float32 when
         it does more than an argmax."""
+        if self.quantized_lm_head is not None:
+            return quant_gemm.linear(hidden, self.quantized_lm_head)
         if self._packed_lm_head is not None and hidden.shape[0] <= skinny_gemm.MAX_ROWS:
             return skinny_gemm.linear(hidden, self._packed_lm_head)
         return torch.nn.functional.linear(hidden, self.lm_head_weight)
@@ -171,16 +179,17 @@ class LlamaForCausalLM(nn.Module):
         see layers/linear.py), and, where every kernel has its C path, run the layers of small decode-only
         steps as one C call (kernels/decode_layers.py). Returns how many weights were packed; call after the
         weights are loaded and the KV cache is bound."""
-        linears = [m for m in self.modules() if isinstance(m, Linear) and m.quantized is None]
-        weights = [m.weight for m in linears] + [self.lm_head_weight]
-        shapes = [skinny_gemm.PackedWeight.packed_shape(w) for w in weights]
+        linears = [m for m in self.model.modules() if isinstance(m, Linear) and m.quantized is None]
+        weights = [m.weight for m in linears] + [self.lm_head_weight if self.quantized_lm_head is None else None]
+        shapes = [skinny_gemm.PackedWeight.packed_shape(w) if w is not None else None for w in weights]
         # One buffer for all of them, in huge pages: a small decode step streams every packed weight once.
         sizes = [math.prod(shape) if shape else 0 for shape in shapes]
         arena = huge_page_zeros(2 * sum(sizes)).view(torch.bfloat16) if any(sizes) else None
         offsets = [sum(sizes[:i]) for i in range(len(sizes))]
         views = [arena[o:o + n] if n else None for o, n in zip(offsets, sizes)]
         packed = sum(m.pack_for_small_batches(view) for m, view in zip(linears, views))
-        self._packed_lm_head = skinny_gemm.PackedWeight.of(self.lm_head_weight, views[-1])
+        if weights[-1] is not None:
+            self._packed_lm_head = skinny_gemm.PackedWeight.of(weights[-1], views[-1])
         self._decode_layers = DecodeLayers.build(self)
         return packed + (self._packed_lm_head is not None)
 
@@ -215,9 +224,9 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
                                  f"expected {tuple(dest.shape)}")
             if isinstance(tensor, QuantizedTensor):
-                if isinstance(self.get_submodule(target.removesuffix(".weight")), Linear):
+                if isinstance(self.get_submodule(target.removesuffix(".weight")), (Linear, VocabEmbedding)):
                     quantized.add(target, shard or 0, tensor, dest)
-                else:  # a quantized LM head or embedding: computed in float here
+                else:
                     dest.copy_(tensor.dequantize())
             else:
                 dest.copy_(tensor)

@@ -24,6 +24,20 @@ def random_weight(n: int, k: int, kind: int, seed: int = 0) -> QuantizedTensor:
     return QuantizedTensor("w", None, codes, scales, offsets, kind)
 
 
+STORAGES = ["float16 scales", "float32 scales", "symmetric"]
+"""How pack stores a weight's scales: float16 (where exact: the default), float32, or kind 4 with m = -8d left
+implied (Q4_0)."""
+KIND_STORAGES = [(kind, storage) for kind in (8, 4, 6) for storage in STORAGES if kind == 4 or storage != "symmetric"]
+
+
+def pack(weight: QuantizedTensor, storage: str = "float16 scales") -> quant_gemm.QuantizedWeight:
+    offsets = -8.0 * weight.scales if storage == "symmetric" else weight.offsets
+    packed = quant_gemm.QuantizedWeight.pack(weight.codes, weight.scales, offsets, weight.kind, "test",
+                                             half_scales=storage != "float32 scales")
+    weight.offsets = offsets  # the reference dequantizes what was packed
+    return packed
+
+
 def emulate_vnni(x: torch.Tensor, weight: QuantizedTensor) -> torch.Tensor:
     """The VNNI path's arithmetic: x quantized per row and group of 32 in float32 as the kernel does it
     (s = amax / 127, xq = round-half-even(x / s)), then the products summed in float64."""
@@ -35,13 +49,13 @@ def emulate_vnni(x: torch.Tensor, weight: QuantizedTensor) -> torch.Tensor:
     return torch.einsum("mgi,ngi->mn", xq.double() * s.double(), w)
 
 
-@pytest.mark.parametrize("kind", [8, 4, 6])
+@pytest.mark.parametrize("kind, storage", KIND_STORAGES)
 @pytest.mark.parametrize("rows", [1, 5, 16, 33])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_kernel_matches_its_reference(kind, rows, dtype, isa):
+def test_kernel_matches_its_reference(kind, storage, rows, dtype, isa):
     n, k = 48, 96
     weight = random_weight(n, k, kind)
-    packed = quant_gemm.QuantizedWeight.pack(weight.codes, weight.scales, weight.offsets, kind, "test")
+    packed = pack(weight, storage)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(1)).to(dtype)
     bias = torch.randn(n).to(dtype)
     out = quant_gemm.linear(x, packed, bias).double()
@@ -51,6 +65,47 @@ def test_kernel_matches_its_reference(kind, rows, dtype, isa):
     assert ((out - reference).abs() <= rounding * reference.abs() + 1e-4).all()
     # activation quantization (VNNI) costs at most about half a step of 1/127 of each group's largest value
     assert ((out - exact).abs() <= 0.02 * exact.abs().max()).all()
+
+
+@pytest.mark.parametrize("kind, storage, bytes_per_weight", [
+    (8, "float16 scales", 1.0625), (8, "float32 scales", 1.125), (4, "float16 scales", 0.625),
+    (4, "float32 scales", 0.75), (4, "symmetric", 0.5625), (6, "float16 scales", 0.875), (6, "float32 scales", 1.0)])
+def test_packed_weights_take_what_their_scales_need(kind, storage, bytes_per_weight):
+    """float16 scales make Q8_0, Q4_1 and Q4_0 (symmetric) weights as small in memory as in the GGUF file."""
+    packed = pack(random_weight(64, 256, kind), storage)
+    assert packed.nbytes == 64 * 256 * bytes_per_weight
+
+
+def test_scales_that_float16_cannot_hold_exactly_stay_float32():
+    weight = random_weight(16, 64, 4)
+    weight.scales[3, 1] = 1 / 3  # not a float16
+    packed = quant_gemm.QuantizedWeight.pack(weight.codes, weight.scales, weight.offsets, 4, "test")
+    assert packed.flags == 0 and packed.nbytes == 16 * 64 * 0.75
+    x = torch.randn(2, 64, generator=torch.Generator().manual_seed(5))
+    reference = emulate_vnni(x, weight) if quant_gemm.uses_vnni() else x.double() @ weight.dequantize().double().T
+    assert ((quant_gemm.linear(x, packed).double() - reference).abs() <= 1e-5 * reference.abs() + 1e-4).all()
+
+
+@pytest.mark.parametrize("kind, storage", KIND_STORAGES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_rows_of_a_packed_table_equal_the_dequantized_tables_rows(kind, storage, dtype, isa):
+    """Token embeddings kept quantized: a looked-up row is the dequantized row, rounded to the dtype as copying
+    the dequantized table into a parameter of that dtype would round it."""
+    weight = random_weight(64, 96, kind, seed=21)
+    packed = pack(weight, storage)
+    ids = torch.tensor([[0, 63, 17], [17, 5, 40]])
+    assert torch.equal(quant_gemm.rows(ids, packed, dtype), weight.dequantize().to(dtype)[ids])
+
+
+def test_rows_of_mixed_shards_and_ids_out_of_range():
+    shards = [random_weight(32, 64, 4, seed=22), random_weight(16, 64, 6, seed=23)]
+    joined = quant_gemm.QuantizedWeight.pack_shards([pack(shards[0]), pack(shards[1], "float32 scales")])
+    table = torch.cat([w.dequantize() for w in shards])
+    ids = torch.arange(48).flip(0)
+    assert torch.equal(quant_gemm.rows(ids, joined, torch.float32), table[ids])
+    for bad in (48, -1):
+        with pytest.raises(IndexError, match="ids must lie in 0..47"):
+            quant_gemm.rows(torch.tensor([3, bad]), joined, torch.float32)
 
 
 def test_a_row_gives_the_same_result_alone_and_in_a_batch(isa):
@@ -100,7 +155,8 @@ def test_shards_of_different_kinds_packed_together_give_each_shards_own_result(i
     """A fused linear of Q4_K q/k and a Q6_K v (Q4_K_M files) is packed as one weight of mixed column blocks:
     each shard's outputs are bit for bit those of the shard alone."""
     shards = [random_weight(32, 96, 4, seed=11), random_weight(16, 96, 6, seed=12), random_weight(48, 96, 8, seed=13)]
-    alone = [quant_gemm.QuantizedWeight.pack(w.codes, w.scales, w.offsets, w.kind, f"kind {w.kind}") for w in shards]
+    alone = [quant_gemm.QuantizedWeight.pack(w.codes, w.scales, w.offsets, w.kind, f"kind {w.kind}",
+                                             half_scales=w.kind != 6) for w in shards]
     joined = quant_gemm.QuantizedWeight.pack_shards(alone)
     assert joined.kind == quant_gemm.MIXED and joined.out_features == 96 and joined.source_type == "kind 4+kind 6+kind 8"
     for rows in (1, 8, 11):

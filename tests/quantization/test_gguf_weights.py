@@ -57,9 +57,10 @@ def test_kept_weights_hold_exactly_the_float_loaders_values(gguf_files, quant):
     checkpoint = GGUFCheckpoint(gguf_files[quant])
     dense = dict(checkpoint.iter_weights(torch.float32))
     kept = dict(checkpoint.iter_weights(torch.float32, keep_quantized=True))
-    linear = [name for name, t in kept.items() if isinstance(t, QuantizedTensor)]
-    assert len(linear) == 2 * 7  # q, k, v, o, gate, up, down of both layers; embeddings and norms stay float
-    for name in linear:
+    quantized = [name for name, t in kept.items() if isinstance(t, QuantizedTensor)]
+    # q, k, v, o, gate, up, down of both layers, the token embeddings and the LM head; the norms stay float
+    assert len(quantized) == 2 * 7 + 2 and {"model.embed_tokens.weight", "lm_head.weight"} <= set(quantized)
+    for name in quantized:
         assert torch.equal(kept[name].dequantize(), dense[name]), name  # q/k rows un-permuted as well
 
 
@@ -77,6 +78,8 @@ def test_engine_on_kept_weights_gives_the_float_engines_results(gguf_files, quan
     model = llm.engine.runner.model
     assert all(layer.mlp.down_proj.quantized is not None and layer.mlp.down_proj.weight.numel() == 0
                for layer in model.model.layers)
+    assert all(table.quantized is not None and table.weight.numel() == 0
+               for table in (model.model.embed_tokens, model.lm_head))
     kept = llm.generate(prompts(), params, use_tqdm=False)
     # tiles: the same float32 products summed in another order; VNNI: activations rounded to int8 per 32
     # (the K-quant files' model is 4x wider, so int8 activations add up to larger logit errors)

@@ -55,7 +55,7 @@ typedef struct { /* one layer's weights (packed for the gemm; biases NULL when a
     const void *qkv, *qkv_bias, *o, *o_bias, *gate_up, *gate_up_bias, *down, *down_bias;
     void *key_cache, *value_cache;
     uint16_t *key_scale, *value_scale;
-    int64_t kinds[4]; /* qkv, o, gate_up, down: 0 bf16 packed for the gemm, else quant_gemm's kind (4 or 8) */
+    int64_t kinds[4]; /* qkv, o, gate_up, down: 0 bf16 packed for the gemm, else quant_gemm's kind (with flags) */
 } Layer;
 
 typedef struct {

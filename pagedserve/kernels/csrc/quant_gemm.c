@@ -1,28 +1,32 @@
 /* Linear layers on block-quantized weights (GGUF Q8_0, Q4_0, Q4_1, Q4_K, Q6_K kept quantized): y[M, N] = x[M, K] .
  * w[N, K]^T (+ bias), streaming the quantized weights once per pass, for any M.
  *
- * Weights come in groups of 32 consecutive k of one output column, each with a float32 scale d and offset m
- * (kind 6: a scale per half of 16):
+ * Weights come in groups of 32 consecutive k of one output column, each with a scale d and offset m (kind 6: a
+ * scale per half of 16):
  *   kind 8: w = d * q, q int8                    (Q8_0)
  *   kind 4: w = d * q + m, q in 0..15 (4 bits)    (Q4_0: m = -8d; Q4_1; Q4_K's 32-value sub-blocks)
  *   kind 6: w = d_h * (q - 32), q in 0..63 (6 bits), d_h the scale of k's half h (Q6_K's 16-value sub-blocks)
- * pack_weight lays them out once in records, one per (block of 16 columns, group of 32 k), front to back:
+ * Two flags on a kind say how its scales are stored: HALF_SCALES (16): as float16 (where every scale and offset
+ * is one exactly: Q8_0, Q4_0, Q4_1); SYMMETRIC (32, kind 4 only): m = -8d, not stored (Q4_0, GPTQ's zero point 8).
+ * pack_weight lays a weight out once in records, one per (block of 16 columns, group of 32 k), front to back:
  *   codes: kind 8: [8 quads][16 columns][4 k] bytes holding q + 128 (512 bytes); kinds 4 and 6: [4][16][4] bytes
  *          whose low nibbles hold (the low 4 bits of) quad j and high nibbles quad j + 4 (256 bytes); kind 6
  *          then [2][16][4] bytes of q's top 2 bits: byte (i, c, at) holds quads i, i + 2, i + 4, i + 6 at bits
  *          0, 2, 4, 6 (128 bytes)
- *   kinds 8 and 4: d[16], aux[16] float32: aux = m (kind 4), or -128 * d (kind 8, see below); kind 6: d_0[16],
- *   d_1[16] float32
- * so a record is 640 (kind 8), 384 (kind 4) or 512 (kind 6) bytes: 1.25 / 0.75 / 1 bytes a weight.
+ *   scale vectors of 16 (float32, or float16 with HALF_SCALES): kind 8: d; kind 4: d, m (d alone if SYMMETRIC);
+ *   kind 6: d_0, d_1
+ * so a record is 576 / 544 bytes (kind 8: 1.125 / 1.0625 bytes a weight, float32 / float16 scales), 384 / 320
+ * (kind 4; 352 / 288 symmetric: down to Q4_0's 0.5625) or 512 / 448 (kind 6).
  * Kind 1 (mixed) is a fused linear whose shards have different kinds (Q4_K_M files: Q4_K q/k, Q6_K v): its
  * data starts with a table of 2 int64 per block of 16 columns (the byte offset of its first record in the
- * data, and its kind), then each shard packed as above.
+ * data, and its kind with flags), then each shard packed as above.
  *
  * Paths, by the build's -march (kernels/build.py):
  * - AVX-512 VNNI (Zen 4, Intel since Ice Lake): activations are quantized per row and group to int8
  *   (s = amax / 127, xq = round(x / s), as llama.cpp does), and one VPDPBUSD per quad adds 4 products of the
- *   unsigned codes (nibbles, or q + 128) and the signed xq into each of 16 column sums; for kind 8 the
- *   128 * sum(xq) that q + 128 adds is taken back through aux. Per group, y += s * (d * dot + aux * sum(xq)).
+ *   unsigned codes (nibbles, or q + 128) and the signed xq into each of 16 column sums. Per group,
+ *   y += s * (d * dot + aux * sum(xq)), aux = m (kind 4), -8d (symmetric kind 4) or -128d (kind 8: taking back
+ *   the 128 * sum(xq) that q + 128 adds).
  * - everything else: each record is dequantized into a [32][16] float tile (w exactly as above, in float32),
  *   and every row's x (float32) is multiplied in with FMAs: no activation quantization.
  * Each output is summed in float32 in k order whatever M is, so a row's result does not depend on the batch.
@@ -42,9 +46,58 @@
 
 #define MIXED 1
 
-static inline int64_t code_bytes(int kind) { return kind == 8 ? 512 : kind == 6 ? 384 : 256; }
-static inline int64_t record_bytes(int kind) { return code_bytes(kind) + 2 * COLS * (int64_t)sizeof(float); }
-static inline int known_kind(int kind) { return kind == 8 || kind == 4 || kind == 6; }
+#define HALF_SCALES 16
+#define SYMMETRIC 32
+
+static inline int base_kind(int kind) { return kind & 15; }
+static inline int scale_bytes(int kind) { return kind & HALF_SCALES ? 2 : 4; }
+static inline int64_t code_bytes(int kind) { return base_kind(kind) == 8 ? 512 : base_kind(kind) == 6 ? 384 : 256; }
+/* How many vectors of 16 scales a record holds. */
+static inline int scale_vectors(int kind) {
+    return base_kind(kind) == 8 || (kind & SYMMETRIC) ? 1 : 2;
+}
+static inline int64_t record_bytes(int kind) { return code_bytes(kind) + scale_vectors(kind) * COLS * scale_bytes(kind); }
+static inline int known_kind(int kind) {
+    const int base = base_kind(kind);
+    return (base == 8 || base == 4 || base == 6) && !(kind & ~(15 | HALF_SCALES | SYMMETRIC))
+           && (!(kind & SYMMETRIC) || base == 4);
+}
+
+/* float16 bits -> float32 (exact). */
+static inline float f16_to_f32(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exponent = (h >> 10) & 0x1fu, mantissa = h & 0x3ffu;
+    uint32_t u;
+    if (exponent == 0x1f)
+        u = sign | 0x7f800000u | (mantissa << 13);
+    else if (exponent)
+        u = sign | ((exponent + 112) << 23) | (mantissa << 13);
+    else { /* zero or subnormal: mantissa * 2^-24 */
+        const float f = (float)mantissa * 0x1p-24f;
+        return sign ? -f : f;
+    }
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* A record's scales as float32: sv[0] = d (kind 6: d_0), sv[1] = its aux: m, -8d (symmetric), -128d (kind 8),
+ * or kind 6's d_1. */
+static inline void record_scales(const uint8_t *rec, int kind, float sv[2][COLS]) {
+    const uint8_t *p = rec + code_bytes(kind);
+    for (int v = 0; v < scale_vectors(kind); ++v)
+        for (int64_t c = 0; c < COLS; ++c) {
+            const uint8_t *at = p + (v * COLS + c) * scale_bytes(kind);
+            if (kind & HALF_SCALES) {
+                uint16_t h;
+                memcpy(&h, at, sizeof h);
+                sv[v][c] = f16_to_f32(h);
+            } else {
+                memcpy(&sv[v][c], at, sizeof(float));
+            }
+        }
+    if (scale_vectors(kind) == 1)
+        for (int64_t c = 0; c < COLS; ++c) sv[1][c] = (base_kind(kind) == 8 ? -128.f : -8.f) * sv[0][c];
+}
 
 /* Column block nb's kind and first record: the weight's own kind and place, or a mixed weight's table's. */
 static inline const uint8_t *block_records(const uint8_t *packed, int64_t nb, int64_t groups, int kind,
@@ -70,37 +123,37 @@ int vnni(void) {
 int64_t packed_bytes(int64_t n, int64_t k, int kind) { return (n / COLS) * (k / GROUP) * record_bytes(kind); }
 
 /* codes [n, k] (int8 for kind 8, 0..15 for kind 4, 0..63 for kind 6), d [n, k / 32] (kind 6: [n, k / 16]) and
- * m [n, k / 32] (kind 4 only) -> records (layout above). */
-int pack_weight(const uint8_t *codes, const float *d, const float *m, uint8_t *packed, int64_t n, int64_t k,
+ * m [n, k / 32] (kind 4 unless symmetric; else unread) -> records (layout above). d and m are float16 bits with
+ * HALF_SCALES, else float32. */
+int pack_weight(const uint8_t *codes, const void *d, const void *m, uint8_t *packed, int64_t n, int64_t k,
                 int kind) {
     if (n % COLS || k % GROUP || !known_kind(kind)) return 1;
-    const int64_t groups = k / GROUP;
+    const int64_t groups = k / GROUP, sb = scale_bytes(kind);
+    const int base = base_kind(kind);
     memset(packed, 0, (size_t)packed_bytes(n, k, kind)); /* kinds 4 and 6 OR their bit fields in */
 #pragma omp parallel for schedule(static)
     for (int64_t nb = 0; nb < n / COLS; ++nb)
         for (int64_t g = 0; g < groups; ++g) {
-            uint8_t *rec = packed + (nb * groups + g) * record_bytes(kind);
-            float *rd = (float *)(rec + code_bytes(kind)), *ra = rd + COLS;
+            uint8_t *rec = packed + (nb * groups + g) * record_bytes(kind), *scales = rec + code_bytes(kind);
             for (int64_t c = 0; c < COLS; ++c) {
                 const int64_t col = nb * COLS + c;
                 const uint8_t *q = codes + col * k + g * GROUP;
                 for (int64_t kk = 0; kk < GROUP; ++kk) {
                     const int64_t quad = kk / 4, at = kk % 4;
-                    if (kind == 8) {
+                    if (base == 8) {
                         rec[(quad * COLS + c) * 4 + at] = (uint8_t)(q[kk] ^ 0x80u); /* q + 128, unsigned */
                         continue;
                     }
                     rec[((quad % 4) * COLS + c) * 4 + at] |= (uint8_t)((q[kk] & 15) << (quad < 4 ? 0 : 4));
-                    if (kind == 6)
+                    if (base == 6)
                         rec[256 + ((quad % 2) * COLS + c) * 4 + at] |= (uint8_t)(((q[kk] >> 4) & 3) << (2 * (quad / 2)));
                 }
-                if (kind == 6) {
-                    rd[c] = d[col * 2 * groups + 2 * g];
-                    ra[c] = d[col * 2 * groups + 2 * g + 1];
-                } else {
-                    rd[c] = d[col * groups + g];
-                    ra[c] = kind == 8 ? -128.f * d[col * groups + g] : m[col * groups + g];
-                }
+                /* scale vector v's column c <- element i of d or m */
+                const uint8_t *from[2] = {(const uint8_t *)d, (const uint8_t *)(base == 6 ? d : m)};
+                const int64_t at[2] = {base == 6 ? col * 2 * groups + 2 * g : col * groups + g,
+                                       base == 6 ? col * 2 * groups + 2 * g + 1 : col * groups + g};
+                for (int v = 0; v < scale_vectors(kind); ++v)
+                    memcpy(scales + (v * COLS + c) * sb, from[v] + at[v] * sb, (size_t)sb);
             }
         }
     return 0;
@@ -122,6 +175,49 @@ static inline void store_block_row(void *y, const float *sums, const void *bias,
         else
             ((float *)y)[at] = v;
     }
+}
+
+/* The weight of column c at k = kk of a record (sv: its record_scales), exactly as the float loader
+ * dequantizes it: d * (q - 128) (kind 8), d * q + m (kind 4), (q - 32) * d_h (kind 6). */
+static inline float weight_at(const uint8_t *rec, int kind, const float sv[2][COLS], int64_t kk, int64_t c) {
+    const int64_t quad = kk / 4, at = kk % 4;
+    if (base_kind(kind) == 8) return sv[0][c] * (float)((int)rec[(quad * COLS + c) * 4 + at] - 128);
+    const uint8_t byte = rec[((quad % 4) * COLS + c) * 4 + at];
+    const int low = quad < 4 ? byte & 15 : byte >> 4;
+    if (base_kind(kind) == 4) return sv[0][c] * (float)low + sv[1][c];
+    const int top = (rec[256 + ((quad % 2) * COLS + c) * 4 + at] >> (2 * (quad / 2))) & 3;
+    return (float)(low + 16 * top - 32) * sv[kk / 16][c];
+}
+
+/* Rows ids[i] of a packed [n, k] weight used as a table (token embeddings: row = output column) dequantized
+ * into out[count][k], float32 or bf16 (rounded from the float32 weight, as copying the dequantized table into
+ * a bf16 parameter rounds it). */
+int dequantize_rows(const uint8_t *packed, const int64_t *ids, int64_t count, void *out, int64_t n, int64_t k,
+                    int kind, int bf16, int threads) {
+    if (n % COLS || k % GROUP || !(known_kind(kind) || kind == MIXED)) return 1;
+    for (int64_t i = 0; i < count; ++i)
+        if (ids[i] < 0 || ids[i] >= n) return 3;
+    const int64_t groups = k / GROUP;
+#pragma omp parallel for num_threads(count * k >= 65536 ? threads : 1) schedule(static)
+    for (int64_t i = 0; i < count; ++i) {
+        int block_kind;
+        const uint8_t *recs = block_records(packed, ids[i] / COLS, groups, kind, &block_kind);
+        const int64_t c = ids[i] % COLS;
+        for (int64_t g = 0; g < groups; ++g) {
+            const uint8_t *rec = recs + g * record_bytes(block_kind);
+            float sv[2][COLS];
+            record_scales(rec, block_kind, sv);
+            for (int64_t kk = 0; kk < GROUP; ++kk) {
+                const float w = weight_at(rec, block_kind, sv, kk, c);
+                const int64_t at = i * k + g * GROUP + kk;
+                if (bf16)
+                    ((uint16_t *)out)[at] = f32_to_bf16(w);
+                else
+                    ((float *)out)[at] = w;
+            }
+        }
+    }
+    return 0;
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -167,7 +263,7 @@ static void quantize_rows(const void *x, int64_t m, int64_t k, int bf16, int8_t 
 /* The 8 code vectors of a record: quad j's 4 k of each of the 16 columns, as unsigned bytes. */
 static inline __attribute__((always_inline)) void record_codes(const uint8_t *rec, const int kind, __m512i w[8]) {
     const __m512i low = _mm512_set1_epi8(0x0f), two = _mm512_set1_epi8(0x03);
-    if (kind == 8) {
+    if (base_kind(kind) == 8) {
         for (int j = 0; j < 8; ++j) w[j] = _mm512_loadu_si512(rec + 64 * j);
         return;
     }
@@ -176,12 +272,19 @@ static inline __attribute__((always_inline)) void record_codes(const uint8_t *re
         w[j] = _mm512_and_si512(v, low);
         w[j + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
     }
-    if (kind == 6) { /* quad j's top 2 bits sit at bit 2 * (j / 2) of h[j % 2]: moved to bits 4-5 */
+    if (base_kind(kind) == 6) { /* quad j's top 2 bits sit at bit 2 * (j / 2) of h[j % 2]: moved to bits 4-5 */
         const __m512i h[2] = {_mm512_loadu_si512(rec + 256), _mm512_loadu_si512(rec + 320)};
         for (int j = 0; j < 8; ++j)
             w[j] = _mm512_or_si512(w[j], _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(h[j % 2], 2 * (j / 2)),
                                                                             two), 4));
     }
+}
+
+/* A record's scale vector v (layout above) as float32. */
+static inline __attribute__((always_inline)) __m512 scale_vector(const uint8_t *rec, const int kind, int v) {
+    const uint8_t *p = rec + code_bytes(kind) + v * COLS * scale_bytes(kind);
+    return kind & HALF_SCALES ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p))
+                              : _mm512_loadu_ps((const float *)p);
 }
 
 /* Rows [r0, r0 + rows) of column block nb (records from `recs`). Per group, each code vector is used by every
@@ -192,12 +295,11 @@ static inline __attribute__((always_inline)) void block_vnni(const int8_t *xq, c
                                                             int64_t r0, int64_t rows, int64_t nb, int64_t n,
                                                             int64_t k, const int kind, int bf16) {
     const int64_t groups = k / GROUP;
-    const int passes = kind == 6 ? 2 : 1, quads = 8 / passes;
+    const int passes = base_kind(kind) == 6 ? 2 : 1, quads = 8 / passes;
     __m512 f[ROWS_PER_PASS];
     for (int64_t r = 0; r < ROWS_PER_PASS; ++r) f[r] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; ++g) {
         const uint8_t *rec = recs + g * record_bytes(kind);
-        const float *scales = (const float *)(rec + code_bytes(kind));
         __m512i w[8];
         record_codes(rec, kind, w);
         for (int half = 0; half < passes; ++half) {
@@ -209,17 +311,18 @@ static inline __attribute__((always_inline)) void block_vnni(const int8_t *xq, c
                     memcpy(&quad, xq + (r0 + r) * k + g * GROUP + 4 * j, sizeof quad);
                     acc[r] = _mm512_dpbusd_epi32(acc[r], w[j], _mm512_set1_epi32(quad));
                 }
-            const __m512 dv = _mm512_loadu_ps(scales + half * COLS);
+            const __m512 dv = scale_vector(rec, kind, half);
             for (int64_t r = 0; r < rows; ++r) {
                 const int64_t row = r0 + r;
                 const float s = xs[row * groups + g];
                 const int32_t *sums = xsum + row * 2 * groups + 2 * g;
-                if (kind == 6) { /* sum (q - 32) xq = dot - 32 sum(xq), exact in int32 */
+                if (base_kind(kind) == 6) { /* sum (q - 32) xq = dot - 32 sum(xq), exact in int32 */
                     const __m512i dot = _mm512_sub_epi32(acc[r], _mm512_set1_epi32(32 * sums[half]));
                     f[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dv, _mm512_set1_ps(s)), f[r]);
                     continue;
                 }
-                const __m512 av = _mm512_loadu_ps(scales + COLS);
+                const __m512 av = scale_vectors(kind) == 2 ? scale_vector(rec, kind, 1)
+                                  : _mm512_mul_ps(dv, _mm512_set1_ps(base_kind(kind) == 8 ? -128.f : -8.f));
                 f[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r]), _mm512_mul_ps(dv, _mm512_set1_ps(s)), f[r]);
                 f[r] = _mm512_fmadd_ps(av, _mm512_set1_ps(s * (float)(sums[0] + sums[1])), f[r]);
             }
@@ -261,12 +364,16 @@ int quant_gemm(const void *x, const uint8_t *packed, const void *bias, void *y, 
             const int64_t rows = m - r0 < ROWS_PER_PASS ? m - r0 : ROWS_PER_PASS;
             int block_kind;
             const uint8_t *recs = block_records(packed, nb, k / GROUP, kind, &block_kind);
-            if (block_kind == 8)
-                BLOCK_CALL(8);
-            else if (block_kind == 6)
-                BLOCK_CALL(6);
-            else
-                BLOCK_CALL(4);
+            switch (block_kind) { /* each kind and flags a specialized copy */
+            case 8: BLOCK_CALL(8); break;
+            case 8 | HALF_SCALES: BLOCK_CALL(8 | HALF_SCALES); break;
+            case 6: BLOCK_CALL(6); break;
+            case 6 | HALF_SCALES: BLOCK_CALL(6 | HALF_SCALES); break;
+            case 4: BLOCK_CALL(4); break;
+            case 4 | HALF_SCALES: BLOCK_CALL(4 | HALF_SCALES); break;
+            case 4 | SYMMETRIC: BLOCK_CALL(4 | SYMMETRIC); break;
+            default: BLOCK_CALL(4 | SYMMETRIC | HALF_SCALES); break;
+            }
         }
     free(xq), free(xs), free(xsum);
     return 0;
@@ -276,24 +383,10 @@ int quant_gemm(const void *x, const uint8_t *packed, const void *bias, void *y, 
 
 /* Record (nb, g) as tile[kk][c] = the weight of column nb * 16 + c at k = g * 32 + kk. */
 static inline void record_to_tile(const uint8_t *rec, int kind, float tile[GROUP][COLS]) {
-    const float *d = (const float *)(rec + code_bytes(kind)), *m = d + COLS;
-    for (int64_t kk = 0; kk < GROUP; ++kk) {
-        const int64_t quad = kk / 4, at = kk % 4;
-        for (int64_t c = 0; c < COLS; ++c) {
-            if (kind == 8) {
-                tile[kk][c] = d[c] * (float)((int)rec[(quad * COLS + c) * 4 + at] - 128);
-                continue;
-            }
-            const uint8_t byte = rec[((quad % 4) * COLS + c) * 4 + at];
-            const int low = quad < 4 ? byte & 15 : byte >> 4;
-            if (kind == 4) {
-                tile[kk][c] = d[c] * (float)low + m[c];
-            } else { /* kind 6: the half's scale times the signed code, as the float loader computes it */
-                const int top = (rec[256 + ((quad % 2) * COLS + c) * 4 + at] >> (2 * (quad / 2))) & 3;
-                tile[kk][c] = (float)(low + 16 * top - 32) * d[(kk / 16) * COLS + c];
-            }
-        }
-    }
+    float sv[2][COLS];
+    record_scales(rec, kind, sv);
+    for (int64_t kk = 0; kk < GROUP; ++kk)
+        for (int64_t c = 0; c < COLS; ++c) tile[kk][c] = weight_at(rec, kind, sv, kk, c);
 }
 
 int quant_gemm(const void *x, const uint8_t *packed, const void *bias, void *y, int64_t m, int64_t n, int64_t k,
