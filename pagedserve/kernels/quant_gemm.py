@@ -27,8 +27,9 @@ KINDS = (8, 4, 6)
 d per 16 (Q6_K)."""
 MIXED = 1
 """The kind of a weight packed by pack_shards: its column blocks have kinds of their own."""
-HALF_SCALES, SYMMETRIC = 16, 32
-"""Flags on the kind the C code takes (csrc/quant_gemm.c): scales stored as float16; kind 4 with m = -8d."""
+HALF_SCALES, SYMMETRIC, SUPER_SCALES = 16, 32, 64
+"""Flags on the kind the C code takes (csrc/quant_gemm.c): scales stored as float16; kind 4 with m = -8d; scales
+as 8-bit multiples of float16 factors per 256 inputs (Q4_K, Q6_K)."""
 _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
@@ -36,7 +37,7 @@ _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 def _lib() -> Optional[ctypes.CDLL]:
     library = load_library("quant_gemm")
     if library is not None and getattr(library, "_typed", None) is None:
-        library.pack_weight.argtypes = [_P, _P, _P, _P, _I64, _I64, _INT]
+        library.pack_weight.argtypes = [_P, _P, _P, _P, _P, _P, _I64, _I64, _INT]
         library.packed_bytes.argtypes = [_I64, _I64, _INT]
         library.packed_bytes.restype = _I64
         library.quant_gemm.argtypes = [_P, _P, _P, _P, _I64, _I64, _I64, _INT, _INT, _INT]
@@ -47,6 +48,13 @@ def _lib() -> Optional[ctypes.CDLL]:
     return library
 
 
+def _required_lib() -> ctypes.CDLL:
+    library = _lib()
+    if library is None:
+        raise RuntimeError("the quantized matmul kernel is not available here (no C compiler?)")
+    return library
+
+
 def available() -> bool:
     return _lib() is not None
 
@@ -54,6 +62,33 @@ def available() -> bool:
 def uses_vnni() -> bool:
     """Whether the kernel in force quantizes activations and uses VNNI dot products (else: float tiles)."""
     return available() and bool(_lib().vnni())
+
+
+@dataclass(frozen=True)
+class SuperScales:
+    """Q4_K / Q6_K scales as their files hold them, per 256 inputs a float16 factor and per group (Q6_K: per 16)
+    an 8-bit multiple of it: a group's scale is d x code, Q4_K's offset -(min_d x min_code), each product exact
+    in float32. Kept so, they cost what the file's do (QuantizedWeight.pack)."""
+
+    d: torch.Tensor
+    """[N, K / 256] float16."""
+    codes: torch.Tensor
+    """[N, K / 32] uint8 0..63 (Q4_K) or [N, K / 16] int8 (Q6_K)."""
+    min_d: Optional[torch.Tensor] = None
+    """[N, K / 256] float16 (Q4_K)."""
+    min_codes: Optional[torch.Tensor] = None
+    """[N, K / 32] uint8 0..63 (Q4_K)."""
+
+    def rows(self, index: torch.Tensor) -> "SuperScales":
+        return SuperScales(*(None if t is None else t[index] for t in self._parts()))
+
+    @staticmethod
+    def cat(parts: list["SuperScales"]) -> "SuperScales":
+        """The scales of the parts' rows, in order."""
+        return SuperScales(*(None if ts[0] is None else torch.cat(ts) for ts in zip(*(p._parts() for p in parts))))
+
+    def _parts(self) -> tuple:
+        return self.d, self.codes, self.min_d, self.min_codes
 
 
 @dataclass(frozen=True)
@@ -79,17 +114,19 @@ class QuantizedWeight:
 
     @staticmethod
     def pack(codes: torch.Tensor, scales: torch.Tensor, offsets: Optional[torch.Tensor], kind: int,
-             source_type: str, half_scales: Optional[bool] = None) -> "QuantizedWeight":
+             source_type: str, half_scales: Optional[bool] = None,
+             super_scales: Optional[SuperScales] = None) -> "QuantizedWeight":
         """codes [N, K] (int8 for kind 8, uint8 0..15 for kind 4, 0..63 for kind 6), scales [N, K / 32] float32
         ([N, K / 16] for kind 6), offsets [N, K / 32] float32 (used by kind 4 only). half_scales: store the
-        scales as float16 (None: where that is exact)."""
+        scales as float16 (None: where that is exact). super_scales (kinds 4 and 6, K % 256 == 0): store the
+        scales in that form instead (`scales` and `offsets` are then its products, and unread)."""
+        if super_scales is not None:
+            return QuantizedWeight._pack_super(codes, super_scales, kind, source_type)
         n, k = codes.shape
         group = 16 if kind == 6 else GROUP
         if kind not in KINDS or n % 16 or k % GROUP or tuple(scales.shape) != (n, k // group):
             raise ValueError(f"cannot pack a [{n}, {k}] weight of kind {kind} (needs N % 16 == 0, K % 32 == 0)")
-        library = _lib()
-        if library is None:
-            raise RuntimeError("the quantized matmul kernel is not available here (no C compiler?)")
+        library = _required_lib()
         scales = scales.float().contiguous()
         offsets = torch.zeros(n, k // GROUP) if offsets is None or kind != 4 else offsets.float().contiguous()
         flags = SYMMETRIC if kind == 4 and torch.equal(offsets, -8.0 * scales) else 0
@@ -100,9 +137,27 @@ class QuantizedWeight:
             scales, offsets = scales.half(), offsets.half()
         data = torch.empty(library.packed_bytes(n, k, kind | flags), dtype=torch.uint8)
         if library.pack_weight(codes.contiguous().view(torch.uint8).data_ptr(), scales.data_ptr(),
-                               offsets.data_ptr(), data.data_ptr(), n, k, kind | flags):
+                               offsets.data_ptr(), None, None, data.data_ptr(), n, k, kind | flags):
             raise RuntimeError("quant_gemm pack_weight failed")
         return QuantizedWeight(data, kind, n, k, source_type, flags)
+
+    @staticmethod
+    def _pack_super(codes: torch.Tensor, scales: SuperScales, kind: int, source_type: str) -> "QuantizedWeight":
+        n, k = codes.shape
+        per = 16 if kind == 6 else 32
+        if (kind not in (4, 6) or n % 16 or k % 256 or tuple(scales.d.shape) != (n, k // 256)
+                or tuple(scales.codes.shape) != (n, k // per)):
+            raise ValueError(f"cannot pack a [{n}, {k}] weight of kind {kind} with super-block scales "
+                             "(needs kind 4 or 6, N % 16 == 0, K % 256 == 0)")
+        d, sc = scales.d.half().contiguous(), scales.codes.contiguous().view(torch.uint8)
+        dmin = scales.min_d.half().contiguous() if kind == 4 else d
+        mn = scales.min_codes.contiguous().view(torch.uint8) if kind == 4 else sc
+        library = _required_lib()
+        data = torch.empty(library.packed_bytes(n, k, kind | SUPER_SCALES), dtype=torch.uint8)
+        if library.pack_weight(codes.contiguous().view(torch.uint8).data_ptr(), d.data_ptr(), dmin.data_ptr(),
+                               sc.data_ptr(), mn.data_ptr(), data.data_ptr(), n, k, kind | SUPER_SCALES):
+            raise RuntimeError("quant_gemm pack_weight failed")
+        return QuantizedWeight(data, kind, n, k, source_type, SUPER_SCALES)
 
     @staticmethod
     def pack_shards(shards: list["QuantizedWeight"]) -> "QuantizedWeight":
@@ -116,8 +171,7 @@ class QuantizedWeight:
         offset, block = table.numel() * 8, 0
         for shard in shards:
             blocks = shard.out_features // 16
-            record_bytes = shard.nbytes // (blocks * (k // GROUP))
-            table[block:block + blocks, 0] = offset + torch.arange(blocks) * record_bytes * (k // GROUP)
+            table[block:block + blocks, 0] = offset + torch.arange(blocks) * (shard.nbytes // blocks)
             table[block:block + blocks, 1] = shard.kernel_kind
             offset, block = offset + shard.nbytes, block + blocks
         data = torch.cat([table.view(-1).view(torch.uint8), *(s.data for s in shards)])

@@ -47,20 +47,27 @@ def _dequantize_q4_1(blocks: torch.Tensor) -> torch.Tensor:
 
 def q4_k_groups(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Q4_K super-blocks of 256 = 8 sub-blocks of 32 -> (codes [n, 8, 32] uint8 0..15, d * scale [n, 8],
-    dmin * min [n, 8]); a value is d * scale * q - dmin * min.
+    dmin * min [n, 8]); a value is d * scale * q - dmin * min."""
+    codes, d, scales, dmin, mins = q4_k_factors(blocks)
+    return codes, d.float() * scales.float(), dmin.float() * mins.float()
+
+
+def q4_k_factors(blocks: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Q4_K super-blocks -> (codes [n, 8, 32] uint8 0..15, d [n, 1] float16, scales [n, 8] uint8 0..63,
+    dmin [n, 1] float16, mins [n, 8] uint8 0..63), as the block holds them.
 
     d, dmin: f16; scales: 12 bytes holding 8 six-bit scales and 8 six-bit mins; qs: 128 bytes, each 32-byte
     group holds two sub-blocks (low nibbles first)."""
     n = blocks.shape[0]
-    d, dmin = _half(blocks, 0), _half(blocks, 2)
+    d, dmin = blocks[:, 0:2].contiguous().view(torch.float16), blocks[:, 2:4].contiguous().view(torch.float16)
     s = blocks[:, 4:16]
     lo, mid, hi = s[:, 0:4], s[:, 4:8], s[:, 8:12]
     # Sub-blocks 0-3 keep their 6 bits in bytes 0-3 (scales) and 4-7 (mins); sub-blocks 4-7 take
     # 4 bits from bytes 8-11 and their top 2 bits from the unused top bits of bytes 0-7.
-    scales = torch.cat([lo & 63, (hi & 0x0F) | ((lo >> 6) << 4)], dim=1).float()
-    mins = torch.cat([mid & 63, (hi >> 4) | ((mid >> 6) << 4)], dim=1).float()
+    scales = torch.cat([lo & 63, (hi & 0x0F) | ((lo >> 6) << 4)], dim=1)
+    mins = torch.cat([mid & 63, (hi >> 4) | ((mid >> 6) << 4)], dim=1)
     codes = _nibbles(blocks[:, 16:].reshape(n, 4, 32)).reshape(n, 8, 32)
-    return codes, d * scales, dmin * mins
+    return codes, d, scales, dmin, mins
 
 
 def _dequantize_q4_k(blocks: torch.Tensor) -> torch.Tensor:
@@ -71,7 +78,13 @@ def _dequantize_q4_k(blocks: torch.Tensor) -> torch.Tensor:
 
 def q6_k_codes(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Q6_K super-blocks of 256 = 16 sub-blocks of 16 -> (codes [n, 256] uint8 0..63, d * scale [n, 16]); a
-    value is d * scale * (q - 32).
+    value is d * scale * (q - 32)."""
+    codes, scales, d = q6_k_factors(blocks)
+    return codes, scales.float() * d.float()
+
+
+def q6_k_factors(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q6_K super-blocks -> (codes [n, 256] uint8 0..63, scales [n, 16] int8, d [n, 1] float16), as held.
 
     ql: 128 bytes (low 4 bits), qh: 64 bytes (high 2 bits), scales: 16 x int8, d: f16. Each half of 128 values
     takes 64 ql bytes (low nibbles: values 0-63, high nibbles: 64-127) and 32 qh bytes (2-bit fields at shifts
@@ -81,7 +94,7 @@ def q6_k_codes(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     qh = blocks[:, 128:192].reshape(n, 2, 32)
     qh = torch.cat([qh & 3, (qh >> 2) & 3, (qh >> 4) & 3, qh >> 6], dim=-1)
     codes = (ql | (qh << 4)).reshape(n, 256)
-    return codes, blocks[:, 192:208].view(torch.int8).float() * _half(blocks, 208)
+    return codes, blocks[:, 192:208].contiguous().view(torch.int8), blocks[:, 208:210].contiguous().view(torch.float16)
 
 
 def _dequantize_q6_k(blocks: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,8 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType as QType
 
-from pagedserve.loader.gguf_quants import _half, _nibbles, q4_k_groups, q6_k_codes
+from pagedserve.kernels.quant_gemm import SuperScales
+from pagedserve.loader.gguf_quants import _half, _nibbles, q4_k_factors, q6_k_factors
 from pagedserve.quantization.quantized_tensor import QuantizedTensor
 
 KEPT_TYPES = frozenset({QType.Q8_0, QType.Q4_0, QType.Q4_1, QType.Q4_K, QType.Q6_K})
@@ -36,18 +37,26 @@ def from_gguf(name: str, raw: np.ndarray, qtype: QType, shape: tuple[int, int]) 
         offsets = -8.0 * scales if qtype == QType.Q4_0 else _half(blocks, 2)
         kind = 4
     elif qtype == QType.Q6_K:
-        codes, scales = q6_k_codes(blocks)
+        codes, scale_codes, d = q6_k_factors(blocks)
+        scales = scale_codes.float() * d.float()  # as gguf_quants.q6_k_codes computes them
+        factors = SuperScales(d.reshape(n, k // 256), scale_codes.reshape(n, k // 16))
         return QuantizedTensor(name, qtype, codes.reshape(n, k).contiguous(), scales.reshape(n, k // 16).contiguous(),
-                               torch.zeros(n, k // 32), 6)
+                               torch.zeros(n, k // 32), 6, super_scales=factors)
     else:
-        codes, scales, offsets, kind = _q4_k_groups(blocks)
+        return _from_q4_k(name, blocks, n, k)
     groups = k // 32
     scales = scales.reshape(n, groups).contiguous()
     offsets = torch.zeros_like(scales) if offsets is None else offsets.reshape(n, groups).contiguous()
     return QuantizedTensor(name, qtype, codes.reshape(n, k).contiguous(), scales, offsets, kind)
 
 
-def _q4_k_groups(blocks: torch.Tensor):
-    """Q4_K super-blocks of 256 as 8 groups of 32 each (the float loader's own split, gguf_quants.q4_k_groups)."""
-    codes, scales, mins = q4_k_groups(blocks)
-    return codes.reshape(blocks.shape[0], 256), scales, -mins, 4
+def _from_q4_k(name: str, blocks: torch.Tensor, n: int, k: int) -> QuantizedTensor:
+    """Q4_K super-blocks of 256 as 8 groups of 32 each (the float loader's own split, gguf_quants.q4_k_groups),
+    their 6-bit scales and mins kept with the super-blocks' factors."""
+    codes, d, scale_codes, dmin, min_codes = q4_k_factors(blocks)
+    scales, mins = d.float() * scale_codes.float(), dmin.float() * min_codes.float()
+    factors = SuperScales(d.reshape(n, k // 256), scale_codes.reshape(n, k // 32), dmin.reshape(n, k // 256),
+                          min_codes.reshape(n, k // 32))
+    return QuantizedTensor(name, QType.Q4_K, codes.reshape(n, k).contiguous(),
+                           scales.reshape(n, k // 32).contiguous(), (-mins).reshape(n, k // 32).contiguous(), 4,
+                           super_scales=factors)

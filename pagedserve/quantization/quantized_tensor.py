@@ -10,6 +10,8 @@ from typing import Optional
 
 import torch
 
+from pagedserve.kernels.quant_gemm import SuperScales
+
 logger = logging.getLogger(__name__)
 
 
@@ -30,6 +32,9 @@ class QuantizedTensor:
     input_order: Optional[torch.Tensor] = None
     """GPTQ with act-order: the input features in the order the codes' columns are stored (their groups are
     then contiguous); the layer gathers its input in this order first. None: the natural order."""
+    super_scales: Optional[SuperScales] = None
+    """Q4_K / Q6_K: the scales as the file holds them (`scales` and `offsets` are their products), which the
+    packed weight keeps instead of float32 scales."""
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -42,7 +47,8 @@ class QuantizedTensor:
     def rows(self, index: torch.Tensor) -> "QuantizedTensor":
         """The same weight with its output rows reordered (llama's q/k un-permutation)."""
         return QuantizedTensor(self.name, self.qtype, self.codes[index], self.scales[index],
-                                   self.offsets[index], self.kind, self.input_order)
+                               self.offsets[index], self.kind, self.input_order,
+                               None if self.super_scales is None else self.super_scales.rows(index))
 
     def dequantize(self) -> torch.Tensor:
         """The float32 weight (the reference the kernel is tested against)."""
@@ -89,16 +95,24 @@ class QuantizedParts:
                     dest.copy_(tensor.dequantize())
                 continue
             linear = model.get_submodule(target.removesuffix(".weight"))
-            if len({t.kind for t in tensors}) == 1:
+            if len({_storage(t) for t in tensors}) == 1:
+                supers = [t.super_scales for t in tensors]
                 linear.quantized = QuantizedWeight.pack(
                     torch.cat([t.codes for t in tensors]), torch.cat([t.scales for t in tensors]),
                     torch.cat([t.offsets for t in tensors]), tensors[0].kind,
-                    "+".join(sorted({t.source for t in tensors})))
+                    "+".join(sorted({t.source for t in tensors})),
+                    super_scales=None if supers[0] is None else SuperScales.cat(supers))
             else:
                 linear.quantized = QuantizedWeight.pack_shards(
-                    [QuantizedWeight.pack(t.codes, t.scales, t.offsets, t.kind, t.source) for t in tensors])
+                    [QuantizedWeight.pack(t.codes, t.scales, t.offsets, t.kind, t.source, super_scales=t.super_scales)
+                     for t in tensors])
             linear.input_order = tensors[0].input_order
             linear.weight = torch.nn.Parameter(torch.empty(0, dtype=linear.weight.dtype), requires_grad=False)
+
+
+def _storage(tensor: QuantizedTensor) -> tuple[int, bool]:
+    """What decides a packed layout: the kind, and whether the scales come as super-block factors."""
+    return tensor.kind, tensor.super_scales is not None
 
 
 def _why_not_packed(tensors: list[QuantizedTensor], num_shards: int) -> Optional[str]:
@@ -106,7 +120,7 @@ def _why_not_packed(tensors: list[QuantizedTensor], num_shards: int) -> Optional
     columns = tensors[0].shape[1]
     if len(tensors) < num_shards:
         return f"only {len(tensors)} of its {num_shards} shards are quantized"
-    if len({t.kind for t in tensors}) > 1 and any(t.shape[0] % 16 for t in tensors):
+    if len({_storage(t) for t in tensors}) > 1 and any(t.shape[0] % 16 for t in tensors):
         return f"shards of mixed types ({', '.join(t.source for t in tensors)}) not each a multiple of 16 rows"
     if sum(t.shape[0] for t in tensors) % 16 or columns % 32:
         return f"shape [{sum(t.shape[0] for t in tensors)}, {columns}] is not a multiple of [16, 32]"

@@ -24,13 +24,36 @@ def random_weight(n: int, k: int, kind: int, seed: int = 0) -> QuantizedTensor:
     return QuantizedTensor("w", None, codes, scales, offsets, kind)
 
 
-STORAGES = ["float16 scales", "float32 scales", "symmetric"]
-"""How pack stores a weight's scales: float16 (where exact: the default), float32, or kind 4 with m = -8d left
-implied (Q4_0)."""
-KIND_STORAGES = [(kind, storage) for kind in (8, 4, 6) for storage in STORAGES if kind == 4 or storage != "symmetric"]
+STORAGES = ["float16 scales", "float32 scales", "symmetric", "super scales"]
+"""How pack stores a weight's scales: float16 (where exact: the default), float32, kind 4 with m = -8d left
+implied (Q4_0), or 8-bit multiples of float16 factors per 256 inputs (Q4_K and Q6_K: kinds 4 and 6)."""
+KIND_STORAGES = [(kind, storage) for kind in (8, 4, 6) for storage in STORAGES
+                 if (storage != "symmetric" or kind == 4) and (storage != "super scales" or kind != 8)]
+
+
+def with_super_scales(weight: QuantizedTensor, seed: int = 0) -> QuantizedTensor:
+    """The weight with random Q4_K / Q6_K-style scales: a float16 factor per 256 inputs times 8-bit codes."""
+    g = torch.Generator().manual_seed(seed)
+    n, k = weight.shape
+    d = (torch.rand(n, k // 256, generator=g) * 0.002 + 1e-4).half()
+    if weight.kind == 6:
+        codes = torch.randint(-128, 128, (n, k // 16), generator=g, dtype=torch.int8)
+        weight.super_scales = quant_gemm.SuperScales(d, codes)
+        weight.scales = codes.float() * d.float().repeat_interleave(16, dim=1)
+        return weight
+    codes, min_codes = (torch.randint(0, 64, (n, k // 32), generator=g, dtype=torch.uint8) for _ in range(2))
+    min_d = (torch.rand(n, k // 256, generator=g) * 0.01).half()
+    weight.super_scales = quant_gemm.SuperScales(d, codes, min_d, min_codes)
+    weight.scales = d.float().repeat_interleave(8, dim=1) * codes.float()
+    weight.offsets = -(min_d.float().repeat_interleave(8, dim=1) * min_codes.float())
+    return weight
 
 
 def pack(weight: QuantizedTensor, storage: str = "float16 scales") -> quant_gemm.QuantizedWeight:
+    if storage == "super scales":
+        weight = with_super_scales(weight)
+        return quant_gemm.QuantizedWeight.pack(weight.codes, weight.scales, weight.offsets, weight.kind, "test",
+                                               super_scales=weight.super_scales)
     offsets = -8.0 * weight.scales if storage == "symmetric" else weight.offsets
     packed = quant_gemm.QuantizedWeight.pack(weight.codes, weight.scales, offsets, weight.kind, "test",
                                              half_scales=storage != "float32 scales")
@@ -53,7 +76,7 @@ def emulate_vnni(x: torch.Tensor, weight: QuantizedTensor) -> torch.Tensor:
 @pytest.mark.parametrize("rows", [1, 5, 16, 33])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_kernel_matches_its_reference(kind, storage, rows, dtype, isa):
-    n, k = 48, 96
+    n, k = 48, 512
     weight = random_weight(n, k, kind)
     packed = pack(weight, storage)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(1)).to(dtype)
@@ -69,9 +92,11 @@ def test_kernel_matches_its_reference(kind, storage, rows, dtype, isa):
 
 @pytest.mark.parametrize("kind, storage, bytes_per_weight", [
     (8, "float16 scales", 1.0625), (8, "float32 scales", 1.125), (4, "float16 scales", 0.625),
-    (4, "float32 scales", 0.75), (4, "symmetric", 0.5625), (6, "float16 scales", 0.875), (6, "float32 scales", 1.0)])
+    (4, "float32 scales", 0.75), (4, "symmetric", 0.5625), (4, "super scales", 0.578125), (6, "float16 scales", 0.875),
+    (6, "float32 scales", 1.0), (6, "super scales", 0.8203125)])
 def test_packed_weights_take_what_their_scales_need(kind, storage, bytes_per_weight):
-    """float16 scales make Q8_0, Q4_1 and Q4_0 (symmetric) weights as small in memory as in the GGUF file."""
+    """float16 scales make Q8_0, Q4_1 and Q4_0 (symmetric) weights as small in memory as in the GGUF file; super
+    scales Q6_K's (0.8203) and Q4_K's within 3% (0.5781 against 0.5625: a float16 Dmin and D per 16 columns)."""
     packed = pack(random_weight(64, 256, kind), storage)
     assert packed.nbytes == 64 * 256 * bytes_per_weight
 
@@ -91,20 +116,21 @@ def test_scales_that_float16_cannot_hold_exactly_stay_float32():
 def test_rows_of_a_packed_table_equal_the_dequantized_tables_rows(kind, storage, dtype, isa):
     """Token embeddings kept quantized: a looked-up row is the dequantized row, rounded to the dtype as copying
     the dequantized table into a parameter of that dtype would round it."""
-    weight = random_weight(64, 96, kind, seed=21)
+    weight = random_weight(64, 256, kind, seed=21)
     packed = pack(weight, storage)
     ids = torch.tensor([[0, 63, 17], [17, 5, 40]])
     assert torch.equal(quant_gemm.rows(ids, packed, dtype), weight.dequantize().to(dtype)[ids])
 
 
 def test_rows_of_mixed_shards_and_ids_out_of_range():
-    shards = [random_weight(32, 64, 4, seed=22), random_weight(16, 64, 6, seed=23)]
-    joined = quant_gemm.QuantizedWeight.pack_shards([pack(shards[0]), pack(shards[1], "float32 scales")])
+    shards = [random_weight(32, 256, 4, seed=22), random_weight(16, 256, 6, seed=23), random_weight(16, 256, 6, seed=24)]
+    joined = quant_gemm.QuantizedWeight.pack_shards([pack(shards[0]), pack(shards[1], "float32 scales"),
+                                                     pack(shards[2], "super scales")])
     table = torch.cat([w.dequantize() for w in shards])
-    ids = torch.arange(48).flip(0)
+    ids = torch.arange(64).flip(0)
     assert torch.equal(quant_gemm.rows(ids, joined, torch.float32), table[ids])
-    for bad in (48, -1):
-        with pytest.raises(IndexError, match="ids must lie in 0..47"):
+    for bad in (64, -1):
+        with pytest.raises(IndexError, match="ids must lie in 0..63"):
             quant_gemm.rows(torch.tensor([3, bad]), joined, torch.float32)
 
 
@@ -154,13 +180,14 @@ def test_activations_the_kernel_cannot_take_are_a_clear_error():
 def test_shards_of_different_kinds_packed_together_give_each_shards_own_result(isa):
     """A fused linear of Q4_K q/k and a Q6_K v (Q4_K_M files) is packed as one weight of mixed column blocks:
     each shard's outputs are bit for bit those of the shard alone."""
-    shards = [random_weight(32, 96, 4, seed=11), random_weight(16, 96, 6, seed=12), random_weight(48, 96, 8, seed=13)]
+    shards = [random_weight(32, 256, 4, seed=11), random_weight(16, 256, 6, seed=12), random_weight(48, 256, 8, seed=13),
+              with_super_scales(random_weight(16, 256, 4, seed=14)), with_super_scales(random_weight(32, 256, 6, seed=15))]
     alone = [quant_gemm.QuantizedWeight.pack(w.codes, w.scales, w.offsets, w.kind, f"kind {w.kind}",
-                                             half_scales=w.kind != 6) for w in shards]
+                                             half_scales=w.kind != 6, super_scales=w.super_scales) for w in shards]
     joined = quant_gemm.QuantizedWeight.pack_shards(alone)
-    assert joined.kind == quant_gemm.MIXED and joined.out_features == 96 and joined.source_type == "kind 4+kind 6+kind 8"
+    assert joined.kind == quant_gemm.MIXED and joined.out_features == 144 and joined.source_type == "kind 4+kind 6+kind 8"
     for rows in (1, 8, 11):
-        x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows)).bfloat16()
-        bias = torch.randn(96).bfloat16()
-        expected = torch.cat([quant_gemm.linear(x, w, b) for w, b in zip(alone, bias.split([32, 16, 48]))], dim=1)
+        x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows)).bfloat16()
+        bias = torch.randn(144).bfloat16()
+        expected = torch.cat([quant_gemm.linear(x, w, b) for w, b in zip(alone, bias.split([32, 16, 48, 16, 32]))], dim=1)
         assert torch.equal(quant_gemm.linear(x, joined, bias), expected)

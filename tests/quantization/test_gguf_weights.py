@@ -195,3 +195,20 @@ def test_c_decode_loop_on_kept_weights_gives_the_python_layers_results_bit_for_b
 def test_float16_activations_are_refused_before_loading(gguf_files):
     with pytest.raises(ValueError, match="takes float32 or bfloat16 activations, not torch.float16"):
         LLM(gguf_files["Q8_0"], quantization="gguf", dtype="float16", kv_cache_memory_bytes=1 << 22)
+
+
+@pytest.mark.parametrize("quant", KEPT)
+def test_kept_weights_take_about_what_the_file_holds(gguf_files, quant):
+    """Resident weights within 10% of the file: float16 scales for Q8_0 / Q4_0 / Q4_1, Q4_K's and Q6_K's scales as
+    the file holds them, and the embeddings and LM head kept quantized too (no float copy of anything)."""
+    from gguf import GGUFReader
+
+    file_bytes = sum(int(t.n_bytes) for t in GGUFReader(gguf_files[quant]).tensors)
+    llm = LLM(gguf_files[quant], quantization="gguf", dtype="bfloat16", kv_cache_memory_bytes=1 << 22,
+              skip_tokenizer_init=True, device="cpu")
+    model = llm.engine.runner.model
+    parameters = sum(p.numel() * p.element_size() for p in model.parameters())
+    kept = sum(m.quantized.nbytes for m in model.modules() if getattr(m, "quantized", None) is not None)
+    packed = [m.packed for m in model.modules() if getattr(m, "packed", None) is not None] + [model._packed_lm_head]
+    assert not any(p is not None for p in packed)  # every linear kept quantized: no bf16 copy packed
+    assert parameters + kept <= 1.1 * file_bytes, (parameters, kept, file_bytes)

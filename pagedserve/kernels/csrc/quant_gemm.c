@@ -6,17 +6,22 @@
  *   kind 8: w = d * q, q int8                    (Q8_0)
  *   kind 4: w = d * q + m, q in 0..15 (4 bits)    (Q4_0: m = -8d; Q4_1; Q4_K's 32-value sub-blocks)
  *   kind 6: w = d_h * (q - 32), q in 0..63 (6 bits), d_h the scale of k's half h (Q6_K's 16-value sub-blocks)
- * Two flags on a kind say how its scales are stored: HALF_SCALES (16): as float16 (where every scale and offset
- * is one exactly: Q8_0, Q4_0, Q4_1); SYMMETRIC (32, kind 4 only): m = -8d, not stored (Q4_0, GPTQ's zero point 8).
+ * Flags on a kind say how its scales are stored: HALF_SCALES (16): as float16 (where every scale and offset is
+ * one exactly: Q8_0, Q4_0, Q4_1); SYMMETRIC (32, kind 4 only): m = -8d, not stored (Q4_0, GPTQ's zero point 8);
+ * SUPER_SCALES (64, kinds 4 and 6: Q4_K, Q6_K, whose groups need K % 256 == 0): as the file holds them, 8-bit
+ * multiples of float16 factors per super-block of 256 k: d = D * sc, m = -(Dmin * mn) (kind 4: sc, mn 0..63),
+ * d_h = sc_h * D (kind 6: sc_h int8), each product exact in float32.
  * pack_weight lays a weight out once in records, one per (block of 16 columns, group of 32 k), front to back:
  *   codes: kind 8: [8 quads][16 columns][4 k] bytes holding q + 128 (512 bytes); kinds 4 and 6: [4][16][4] bytes
  *          whose low nibbles hold (the low 4 bits of) quad j and high nibbles quad j + 4 (256 bytes); kind 6
  *          then [2][16][4] bytes of q's top 2 bits: byte (i, c, at) holds quads i, i + 2, i + 4, i + 6 at bits
  *          0, 2, 4, 6 (128 bytes)
  *   scale vectors of 16 (float32, or float16 with HALF_SCALES): kind 8: d; kind 4: d, m (d alone if SYMMETRIC);
- *   kind 6: d_0, d_1
+ *   kind 6: d_0, d_1; with SUPER_SCALES 16 bytes each of sc and mn (kind 4) or sc_0 and sc_1 (kind 6), and after
+ *   a column block's records, per super-block: D[16] and Dmin[16] float16 (kind 4), D[16] (kind 6)
  * so a record is 576 / 544 bytes (kind 8: 1.125 / 1.0625 bytes a weight, float32 / float16 scales), 384 / 320
- * (kind 4; 352 / 288 symmetric: down to Q4_0's 0.5625) or 512 / 448 (kind 6).
+ * (kind 4; 352 / 288 symmetric: down to Q4_0's 0.5625; 288 + 64 per 8 with super scales: 0.578, Q4_K's file
+ * 0.5625) or 512 / 448 (kind 6; 416 + 32 per 8 with super scales: 0.82, as Q6_K's file).
  * Kind 1 (mixed) is a fused linear whose shards have different kinds (Q4_K_M files: Q4_K q/k, Q6_K v): its
  * data starts with a table of 2 int64 per block of 16 columns (the byte offset of its first record in the
  * data, and its kind with flags), then each shard packed as above.
@@ -48,6 +53,8 @@
 
 #define HALF_SCALES 16
 #define SYMMETRIC 32
+#define SUPER_SCALES 64
+#define SUPER 8 /* groups of 32 per super-block */
 
 static inline int base_kind(int kind) { return kind & 15; }
 static inline int scale_bytes(int kind) { return kind & HALF_SCALES ? 2 : 4; }
@@ -56,12 +63,24 @@ static inline int64_t code_bytes(int kind) { return base_kind(kind) == 8 ? 512 :
 static inline int scale_vectors(int kind) {
     return base_kind(kind) == 8 || (kind & SYMMETRIC) ? 1 : 2;
 }
-static inline int64_t record_bytes(int kind) { return code_bytes(kind) + scale_vectors(kind) * COLS * scale_bytes(kind); }
+static inline int64_t record_bytes(int kind) {
+    return code_bytes(kind) + (kind & SUPER_SCALES ? 2 * COLS : scale_vectors(kind) * COLS * scale_bytes(kind));
+}
+/* Bytes of float16 factors per super-block after a column block's records (SUPER_SCALES only). */
+static inline int64_t factor_bytes(int kind) {
+    return kind & SUPER_SCALES ? (base_kind(kind) == 4 ? 2 : 1) * COLS * 2 : 0;
+}
+/* A column block's bytes: its records, then (SUPER_SCALES) its factors. */
+static inline int64_t block_bytes(int64_t groups, int kind) {
+    return groups * record_bytes(kind) + (groups / SUPER) * factor_bytes(kind);
+}
 static inline int known_kind(int kind) {
     const int base = base_kind(kind);
+    if (kind & SUPER_SCALES) return (kind == (4 | SUPER_SCALES) || kind == (6 | SUPER_SCALES));
     return (base == 8 || base == 4 || base == 6) && !(kind & ~(15 | HALF_SCALES | SYMMETRIC))
            && (!(kind & SYMMETRIC) || base == 4);
 }
+static inline int takes_k(int64_t k, int kind) { return k % GROUP == 0 && (!(kind & SUPER_SCALES) || k % (SUPER * GROUP) == 0); }
 
 /* float16 bits -> float32 (exact). */
 static inline float f16_to_f32(uint16_t h) {
@@ -80,10 +99,35 @@ static inline float f16_to_f32(uint16_t h) {
     return f;
 }
 
-/* A record's scales as float32: sv[0] = d (kind 6: d_0), sv[1] = its aux: m, -8d (symmetric), -128d (kind 8),
+static inline float f16_at(const uint8_t *p, int64_t i) {
+    uint16_t h;
+    memcpy(&h, p + 2 * i, sizeof h);
+    return f16_to_f32(h);
+}
+
+/* Record g of a column block (recs: its first) and, with SUPER_SCALES, its super-block's factors. */
+static inline const uint8_t *record_at(const uint8_t *recs, int64_t g, int kind) { return recs + g * record_bytes(kind); }
+static inline const uint8_t *factors_at(const uint8_t *recs, int64_t g, int64_t groups, int kind) {
+    return recs + groups * record_bytes(kind) + (g / SUPER) * factor_bytes(kind);
+}
+
+/* Record g's scales as float32: sv[0] = d (kind 6: d_0), sv[1] = its aux: m, -8d (symmetric), -128d (kind 8),
  * or kind 6's d_1. */
-static inline void record_scales(const uint8_t *rec, int kind, float sv[2][COLS]) {
-    const uint8_t *p = rec + code_bytes(kind);
+static inline void record_scales(const uint8_t *recs, int64_t g, int64_t groups, int kind, float sv[2][COLS]) {
+    const uint8_t *rec = record_at(recs, g, kind), *p = rec + code_bytes(kind);
+    if (kind & SUPER_SCALES) {
+        const uint8_t *f = factors_at(recs, g, groups, kind);
+        for (int64_t c = 0; c < COLS; ++c) {
+            if (base_kind(kind) == 4) {
+                sv[0][c] = f16_at(f, c) * (float)p[c];
+                sv[1][c] = -(f16_at(f, COLS + c) * (float)p[COLS + c]);
+            } else {
+                sv[0][c] = (float)(int8_t)p[c] * f16_at(f, c);
+                sv[1][c] = (float)(int8_t)p[COLS + c] * f16_at(f, c);
+            }
+        }
+        return;
+    }
     for (int v = 0; v < scale_vectors(kind); ++v)
         for (int64_t c = 0; c < COLS; ++c) {
             const uint8_t *at = p + (v * COLS + c) * scale_bytes(kind);
@@ -104,7 +148,7 @@ static inline const uint8_t *block_records(const uint8_t *packed, int64_t nb, in
                                            int *block_kind) {
     if (kind != MIXED) {
         *block_kind = kind;
-        return packed + nb * groups * record_bytes(kind);
+        return packed + nb * block_bytes(groups, kind);
     }
     const int64_t *table = (const int64_t *)packed;
     *block_kind = (int)table[2 * nb + 1];
@@ -120,42 +164,55 @@ int vnni(void) {
 }
 
 /* Bytes pack_weight writes for a [n, k] weight of this kind. */
-int64_t packed_bytes(int64_t n, int64_t k, int kind) { return (n / COLS) * (k / GROUP) * record_bytes(kind); }
+int64_t packed_bytes(int64_t n, int64_t k, int kind) { return (n / COLS) * block_bytes(k / GROUP, kind); }
 
-/* codes [n, k] (int8 for kind 8, 0..15 for kind 4, 0..63 for kind 6), d [n, k / 32] (kind 6: [n, k / 16]) and
- * m [n, k / 32] (kind 4 unless symmetric; else unread) -> records (layout above). d and m are float16 bits with
- * HALF_SCALES, else float32. */
-int pack_weight(const uint8_t *codes, const void *d, const void *m, uint8_t *packed, int64_t n, int64_t k,
-                int kind) {
-    if (n % COLS || k % GROUP || !known_kind(kind)) return 1;
-    const int64_t groups = k / GROUP, sb = scale_bytes(kind);
-    const int base = base_kind(kind);
+/* Group g of column c's codes q[32] into record rec (layout above). */
+static inline void pack_codes(uint8_t *rec, const uint8_t *q, int64_t c, int base) {
+    for (int64_t kk = 0; kk < GROUP; ++kk) {
+        const int64_t quad = kk / 4, at = kk % 4;
+        if (base == 8) {
+            rec[(quad * COLS + c) * 4 + at] = (uint8_t)(q[kk] ^ 0x80u); /* q + 128, unsigned */
+            continue;
+        }
+        rec[((quad % 4) * COLS + c) * 4 + at] |= (uint8_t)((q[kk] & 15) << (quad < 4 ? 0 : 4));
+        if (base == 6) rec[256 + ((quad % 2) * COLS + c) * 4 + at] |= (uint8_t)(((q[kk] >> 4) & 3) << (2 * (quad / 2)));
+    }
+}
+
+/* codes [n, k] (int8 for kind 8, 0..15 for kind 4, 0..63 for kind 6) and their scales -> records (layout above).
+ * Scales: d [n, k / 32] (kind 6: [n, k / 16]) and m [n, k / 32] (kind 4 unless symmetric; else unread), float16
+ * bits with HALF_SCALES, else float32. With SUPER_SCALES: d = D and m = Dmin [n, k / 256] float16 bits, sc and mn
+ * [n, k / 32] uint8 (kind 4), or sc [n, k / 16] int8 (kind 6; mn unread). */
+int pack_weight(const uint8_t *codes, const void *d, const void *m, const uint8_t *sc, const uint8_t *mn,
+                uint8_t *packed, int64_t n, int64_t k, int kind) {
+    if (n % COLS || !takes_k(k, kind) || !known_kind(kind)) return 1;
+    const int64_t groups = k / GROUP, sb = scale_bytes(kind), supers = groups / SUPER;
+    const int base = base_kind(kind), per = base == 6 ? 2 : 1; /* scales per group */
     memset(packed, 0, (size_t)packed_bytes(n, k, kind)); /* kinds 4 and 6 OR their bit fields in */
 #pragma omp parallel for schedule(static)
-    for (int64_t nb = 0; nb < n / COLS; ++nb)
+    for (int64_t nb = 0; nb < n / COLS; ++nb) {
+        uint8_t *recs = packed + nb * block_bytes(groups, kind);
         for (int64_t g = 0; g < groups; ++g) {
-            uint8_t *rec = packed + (nb * groups + g) * record_bytes(kind), *scales = rec + code_bytes(kind);
+            uint8_t *rec = recs + g * record_bytes(kind), *scales = rec + code_bytes(kind);
             for (int64_t c = 0; c < COLS; ++c) {
                 const int64_t col = nb * COLS + c;
-                const uint8_t *q = codes + col * k + g * GROUP;
-                for (int64_t kk = 0; kk < GROUP; ++kk) {
-                    const int64_t quad = kk / 4, at = kk % 4;
-                    if (base == 8) {
-                        rec[(quad * COLS + c) * 4 + at] = (uint8_t)(q[kk] ^ 0x80u); /* q + 128, unsigned */
-                        continue;
-                    }
-                    rec[((quad % 4) * COLS + c) * 4 + at] |= (uint8_t)((q[kk] & 15) << (quad < 4 ? 0 : 4));
-                    if (base == 6)
-                        rec[256 + ((quad % 2) * COLS + c) * 4 + at] |= (uint8_t)(((q[kk] >> 4) & 3) << (2 * (quad / 2)));
+                pack_codes(rec, codes + col * k + g * GROUP, c, base);
+                if (kind & SUPER_SCALES) { /* the 8-bit multiples here, the factors after the block's records */
+                    scales[c] = sc[col * per * groups + per * g];
+                    scales[COLS + c] = base == 6 ? sc[col * per * groups + per * g + 1] : mn[col * groups + g];
+                    uint8_t *f = (uint8_t *)factors_at(recs, g, groups, kind);
+                    memcpy(f + 2 * c, (const uint8_t *)d + 2 * (col * supers + g / SUPER), 2);
+                    if (base == 4) memcpy(f + 2 * (COLS + c), (const uint8_t *)m + 2 * (col * supers + g / SUPER), 2);
+                    continue;
                 }
-                /* scale vector v's column c <- element i of d or m */
+                /* scale vector v's column c <- element at[v] of d or m */
                 const uint8_t *from[2] = {(const uint8_t *)d, (const uint8_t *)(base == 6 ? d : m)};
-                const int64_t at[2] = {base == 6 ? col * 2 * groups + 2 * g : col * groups + g,
-                                       base == 6 ? col * 2 * groups + 2 * g + 1 : col * groups + g};
+                const int64_t at[2] = {col * per * groups + per * g, col * per * groups + per * g + (base == 6)};
                 for (int v = 0; v < scale_vectors(kind); ++v)
                     memcpy(scales + (v * COLS + c) * sb, from[v] + at[v] * sb, (size_t)sb);
             }
         }
+    }
     return 0;
 }
 
@@ -204,9 +261,9 @@ int dequantize_rows(const uint8_t *packed, const int64_t *ids, int64_t count, vo
         const uint8_t *recs = block_records(packed, ids[i] / COLS, groups, kind, &block_kind);
         const int64_t c = ids[i] % COLS;
         for (int64_t g = 0; g < groups; ++g) {
-            const uint8_t *rec = recs + g * record_bytes(block_kind);
+            const uint8_t *rec = record_at(recs, g, block_kind);
             float sv[2][COLS];
-            record_scales(rec, block_kind, sv);
+            record_scales(recs, g, groups, block_kind, sv);
             for (int64_t kk = 0; kk < GROUP; ++kk) {
                 const float w = weight_at(rec, block_kind, sv, kk, c);
                 const int64_t at = i * k + g * GROUP + kk;
@@ -280,11 +337,32 @@ static inline __attribute__((always_inline)) void record_codes(const uint8_t *re
     }
 }
 
-/* A record's scale vector v (layout above) as float32. */
-static inline __attribute__((always_inline)) __m512 scale_vector(const uint8_t *rec, const int kind, int v) {
-    const uint8_t *p = rec + code_bytes(kind) + v * COLS * scale_bytes(kind);
-    return kind & HALF_SCALES ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p))
-                              : _mm512_loadu_ps((const float *)p);
+static inline __attribute__((always_inline)) __m512 f16_vector(const uint8_t *p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+}
+
+/* Record g's two scale vectors as float32, as record_scales gives them: sv[0] = d (kind 6: d_0), sv[1] = aux
+ * (kind 6: d_1). */
+static inline __attribute__((always_inline)) void scale_vectors_of(const uint8_t *recs, int64_t g, int64_t groups,
+                                                                  const int kind, __m512 sv[2]) {
+    const uint8_t *p = record_at(recs, g, kind) + code_bytes(kind);
+    if (kind & SUPER_SCALES) {
+        const uint8_t *f = factors_at(recs, g, groups, kind);
+        const __m128i lo = _mm_loadu_si128((const __m128i *)p), hi = _mm_loadu_si128((const __m128i *)(p + COLS));
+        if (base_kind(kind) == 4) { /* d = D * sc, m = -(Dmin * mn) */
+            sv[0] = _mm512_mul_ps(f16_vector(f), _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo)));
+            const __m512 dm = _mm512_mul_ps(f16_vector(f + 2 * COLS), _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi)));
+            sv[1] = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(dm), _mm512_set1_epi32(INT32_MIN)));
+        } else { /* d_h = sc_h * D */
+            const __m512 d = f16_vector(f);
+            sv[0] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lo)), d);
+            sv[1] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(hi)), d);
+        }
+        return;
+    }
+    for (int v = 0; v < scale_vectors(kind); ++v)
+        sv[v] = kind & HALF_SCALES ? f16_vector(p + v * COLS * 2) : _mm512_loadu_ps((const float *)p + v * COLS);
+    if (scale_vectors(kind) == 1) sv[1] = _mm512_mul_ps(sv[0], _mm512_set1_ps(base_kind(kind) == 8 ? -128.f : -8.f));
 }
 
 /* Rows [r0, r0 + rows) of column block nb (records from `recs`). Per group, each code vector is used by every
@@ -299,9 +377,10 @@ static inline __attribute__((always_inline)) void block_vnni(const int8_t *xq, c
     __m512 f[ROWS_PER_PASS];
     for (int64_t r = 0; r < ROWS_PER_PASS; ++r) f[r] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; ++g) {
-        const uint8_t *rec = recs + g * record_bytes(kind);
         __m512i w[8];
-        record_codes(rec, kind, w);
+        __m512 sv[2];
+        record_codes(record_at(recs, g, kind), kind, w);
+        scale_vectors_of(recs, g, groups, kind, sv);
         for (int half = 0; half < passes; ++half) {
             __m512i acc[ROWS_PER_PASS];
             for (int64_t r = 0; r < ROWS_PER_PASS; ++r) acc[r] = _mm512_setzero_si512();
@@ -311,7 +390,7 @@ static inline __attribute__((always_inline)) void block_vnni(const int8_t *xq, c
                     memcpy(&quad, xq + (r0 + r) * k + g * GROUP + 4 * j, sizeof quad);
                     acc[r] = _mm512_dpbusd_epi32(acc[r], w[j], _mm512_set1_epi32(quad));
                 }
-            const __m512 dv = scale_vector(rec, kind, half);
+            const __m512 dv = sv[half];
             for (int64_t r = 0; r < rows; ++r) {
                 const int64_t row = r0 + r;
                 const float s = xs[row * groups + g];
@@ -321,10 +400,8 @@ static inline __attribute__((always_inline)) void block_vnni(const int8_t *xq, c
                     f[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dv, _mm512_set1_ps(s)), f[r]);
                     continue;
                 }
-                const __m512 av = scale_vectors(kind) == 2 ? scale_vector(rec, kind, 1)
-                                  : _mm512_mul_ps(dv, _mm512_set1_ps(base_kind(kind) == 8 ? -128.f : -8.f));
                 f[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r]), _mm512_mul_ps(dv, _mm512_set1_ps(s)), f[r]);
-                f[r] = _mm512_fmadd_ps(av, _mm512_set1_ps(s * (float)(sums[0] + sums[1])), f[r]);
+                f[r] = _mm512_fmadd_ps(sv[1], _mm512_set1_ps(s * (float)(sums[0] + sums[1])), f[r]);
             }
         }
     }
@@ -372,6 +449,8 @@ int quant_gemm(const void *x, const uint8_t *packed, const void *bias, void *y, 
             case 4: BLOCK_CALL(4); break;
             case 4 | HALF_SCALES: BLOCK_CALL(4 | HALF_SCALES); break;
             case 4 | SYMMETRIC: BLOCK_CALL(4 | SYMMETRIC); break;
+            case 4 | SUPER_SCALES: BLOCK_CALL(4 | SUPER_SCALES); break;
+            case 6 | SUPER_SCALES: BLOCK_CALL(6 | SUPER_SCALES); break;
             default: BLOCK_CALL(4 | SYMMETRIC | HALF_SCALES); break;
             }
         }
@@ -381,10 +460,11 @@ int quant_gemm(const void *x, const uint8_t *packed, const void *bias, void *y, 
 
 #else /* dequantize each record into a float tile */
 
-/* Record (nb, g) as tile[kk][c] = the weight of column nb * 16 + c at k = g * 32 + kk. */
-static inline void record_to_tile(const uint8_t *rec, int kind, float tile[GROUP][COLS]) {
+/* Record g of a column block as tile[kk][c] = the weight of the block's column c at k = g * 32 + kk. */
+static inline void record_to_tile(const uint8_t *recs, int64_t g, int64_t groups, int kind, float tile[GROUP][COLS]) {
     float sv[2][COLS];
-    record_scales(rec, kind, sv);
+    record_scales(recs, g, groups, kind, sv);
+    const uint8_t *rec = record_at(recs, g, kind);
     for (int64_t kk = 0; kk < GROUP; ++kk)
         for (int64_t c = 0; c < COLS; ++c) tile[kk][c] = weight_at(rec, kind, sv, kk, c);
 }
@@ -404,7 +484,7 @@ int quant_gemm(const void *x, const uint8_t *packed, const void *bias, void *y, 
             int block_kind;
             const uint8_t *recs = block_records(packed, nb, groups, kind, &block_kind);
             for (int64_t g = 0; g < groups; ++g) {
-                record_to_tile(recs + g * record_bytes(block_kind), block_kind, tile);
+                record_to_tile(recs, g, groups, block_kind, tile);
                 for (int64_t r = 0; r < rows; ++r) {
                     const float *xr = xf + (r0 + r) * k + g * GROUP;
                     for (int64_t kk = 0; kk < GROUP; ++kk)
