@@ -205,7 +205,7 @@ class LlamaForCausalLM(nn.Module):
         """Copy checkpoint tensors (HF names) into the parameters; every parameter must be filled."""
         params = dict(self.named_parameters())
         filled: dict[str, int] = {}
-        quantized = QuantizedParts()
+        quantized = QuantizedParts(self, self._num_shards)
         for name, tensor in weights:
             if "rotary_emb" in name or (name == "lm_head.weight" and self.tie_word_embeddings):
                 continue
@@ -225,7 +225,8 @@ class LlamaForCausalLM(nn.Module):
                                  f"expected {tuple(dest.shape)}")
             if isinstance(tensor, QuantizedTensor):
                 if isinstance(self.get_submodule(target.removesuffix(".weight")), (Linear, VocabEmbedding)):
-                    quantized.add(target, shard or 0, tensor, dest)
+                    if quantized.add(target, shard or 0, tensor, dest):
+                        params[target] = self.get_parameter(target)  # the float weight, now empty, freed
                 else:
                     dest.copy_(tensor.dequantize())
             else:
@@ -235,7 +236,7 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             raise ValueError(f"checkpoint lacks weights for: {', '.join(missing[:8])}"
                              + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
-        quantized.attach(self, {target: self._num_shards(target) for target in quantized.targets})
+        quantized.finish()
 
     def _shard(self, name: str, param: torch.Tensor, index: int) -> torch.Tensor:
         attn = self.model.layers[0].self_attn

@@ -67,47 +67,54 @@ class QuantizedTensor:
 
 
 class QuantizedParts:
-    """The quantized tensors a model's load_weights met, by parameter (a fused one has several shards): once
-    every shard of a linear is in, `attach` gives the Linear its QuantizedWeight and drops its float weight.
-    Shards of different kinds (Q4_K_M files: Q4_K q/k with a Q6_K v) are packed each alone and joined
-    (QuantizedWeight.pack_shards); a linear only partly quantized is dequantized into its float weight instead
-    (logged)."""
+    """The quantized tensors a model's load_weights meets, by parameter (a fused one has several shards): as
+    soon as every shard of a linear (or the embedding table) is in, `add` gives the module its QuantizedWeight
+    and drops its float weight, so that a load holds the unpacked codes of one linear at a time. Shards of
+    different kinds (Q4_K_M files: Q4_K q/k with a Q6_K v) are packed each alone and joined
+    (QuantizedWeight.pack_shards). `finish` dequantizes what is left: linears only partly quantized (logged)."""
 
-    def __init__(self) -> None:
+    def __init__(self, model: torch.nn.Module, num_shards) -> None:
+        self._model, self._num_shards = model, num_shards
         self._parts: dict[str, dict[int, tuple[QuantizedTensor, torch.Tensor]]] = {}
 
-    @property
-    def targets(self) -> list[str]:
-        return list(self._parts)
+    def add(self, target: str, shard: int, tensor: QuantizedTensor, dest: torch.Tensor) -> bool:
+        """Whether this completed the target: it is then packed, and its float weight gone (the caller drops
+        its own references to it, so that its memory is freed now)."""
+        parts = self._parts.setdefault(target, {})
+        parts[shard] = (tensor, dest)
+        tensors = [parts[i][0] for i in sorted(parts)]
+        if len(parts) < self._num_shards(target) or _why_not_packed(tensors, len(parts)):
+            return False
+        del self._parts[target]
+        self._attach(target, tensors)
+        return True
 
-    def add(self, target: str, shard: int, tensor: QuantizedTensor, dest: torch.Tensor) -> None:
-        self._parts.setdefault(target, {})[shard] = (tensor, dest)
-
-    def attach(self, model: torch.nn.Module, num_shards: dict[str, int]) -> None:
-        from pagedserve.kernels.quant_gemm import QuantizedWeight
-
+    def finish(self) -> None:
+        """Dequantize, into their float weights, the parts of every linear that could not be packed."""
         for target, parts in self._parts.items():
             tensors = [parts[i][0] for i in sorted(parts)]
-            reason = _why_not_packed(tensors, num_shards[target])
-            if reason:
-                logger.info("%s: %s; dequantized", target, reason)
-                for tensor, dest in parts.values():
-                    dest.copy_(tensor.dequantize())
-                continue
-            linear = model.get_submodule(target.removesuffix(".weight"))
-            if len({_storage(t) for t in tensors}) == 1:
-                supers = [t.super_scales for t in tensors]
-                linear.quantized = QuantizedWeight.pack(
-                    torch.cat([t.codes for t in tensors]), torch.cat([t.scales for t in tensors]),
-                    torch.cat([t.offsets for t in tensors]), tensors[0].kind,
-                    "+".join(sorted({t.source for t in tensors})),
-                    super_scales=None if supers[0] is None else SuperScales.cat(supers))
-            else:
-                linear.quantized = QuantizedWeight.pack_shards(
-                    [QuantizedWeight.pack(t.codes, t.scales, t.offsets, t.kind, t.source, super_scales=t.super_scales)
-                     for t in tensors])
-            linear.input_order = tensors[0].input_order
-            linear.weight = torch.nn.Parameter(torch.empty(0, dtype=linear.weight.dtype), requires_grad=False)
+            logger.info("%s: %s; dequantized", target, _why_not_packed(tensors, self._num_shards(target)))
+            for tensor, dest in parts.values():
+                dest.copy_(tensor.dequantize())
+        self._parts.clear()
+
+    def _attach(self, target: str, tensors: list[QuantizedTensor]) -> None:
+        from pagedserve.kernels.quant_gemm import QuantizedWeight
+
+        module = self._model.get_submodule(target.removesuffix(".weight"))
+        if len({_storage(t) for t in tensors}) == 1:
+            supers = [t.super_scales for t in tensors]
+            module.quantized = QuantizedWeight.pack(
+                torch.cat([t.codes for t in tensors]), torch.cat([t.scales for t in tensors]),
+                torch.cat([t.offsets for t in tensors]), tensors[0].kind,
+                "+".join(sorted({t.source for t in tensors})),
+                super_scales=None if supers[0] is None else SuperScales.cat(supers))
+        else:
+            module.quantized = QuantizedWeight.pack_shards(
+                [QuantizedWeight.pack(t.codes, t.scales, t.offsets, t.kind, t.source, super_scales=t.super_scales)
+                 for t in tensors])
+        module.input_order = tensors[0].input_order
+        module.weight = torch.nn.Parameter(torch.empty(0, dtype=module.weight.dtype), requires_grad=False)
 
 
 def _storage(tensor: QuantizedTensor) -> tuple[int, bool]:
