@@ -30,8 +30,9 @@
  * - AVX-512 VNNI (Zen 4, Intel since Ice Lake): activations are quantized per row and group to int8
  *   (s = amax / 127, xq = round(x / s), as llama.cpp does), and one VPDPBUSD per quad adds 4 products of the
  *   unsigned codes (nibbles, or q + 128) and the signed xq into each of 16 column sums. Per group,
- *   y += s * (d * dot + aux * sum(xq)), aux = m (kind 4), -8d (symmetric kind 4) or -128d (kind 8: taking back
- *   the 128 * sum(xq) that q + 128 adds).
+ *   y += s * (d * dot + m * sum(xq)) for kind 4; where the offset is a multiple of d (kind 8: -128d, taking back
+ *   the 128 * sum(xq) that q + 128 adds; symmetric kind 4: -8d) the sum starts at that multiple of sum(xq)
+ *   instead, exact in int32, and y += s * d * dot; kind 6 subtracts 32 sum(xq) of each half from its sum.
  * - everything else: each record is dequantized into a [32][16] float tile (w exactly as above, in float32),
  *   and every row's x (float32) is multiplied in with FMAs: no activation quantization.
  * Each output is summed in float32 in k order whatever M is, so a row's result does not depend on the batch.
@@ -382,8 +383,16 @@ static inline __attribute__((always_inline)) void block_vnni(const int8_t *xq, c
         record_codes(record_at(recs, g, kind), kind, w);
         scale_vectors_of(recs, g, groups, kind, sv);
         for (int half = 0; half < passes; ++half) {
+            /* Where the offset is a multiple of d (kind 8: -128d, undoing the + 128 of its codes; symmetric kind
+             * 4: -8d) each sum starts at that multiple of sum(xq), so that one scale pass finishes it: exact in
+             * int32 (measured 3-10% faster at 16-256 rows than a second pass; for kind 6 the start values cost
+             * more than its per-half subtraction saves). */
             __m512i acc[ROWS_PER_PASS];
-            for (int64_t r = 0; r < ROWS_PER_PASS; ++r) acc[r] = _mm512_setzero_si512();
+            for (int64_t r = 0; r < ROWS_PER_PASS; ++r) {
+                const int32_t *sums = xsum + (r0 + (r < rows ? r : 0)) * 2 * groups + 2 * g;
+                acc[r] = _mm512_set1_epi32(base_kind(kind) == 8 ? -128 * (sums[0] + sums[1])
+                                           : kind & SYMMETRIC ? -8 * (sums[0] + sums[1]) : 0);
+            }
             for (int j = half * quads; j < (half + 1) * quads; ++j)
                 for (int64_t r = 0; r < rows; ++r) {
                     int32_t quad;
@@ -401,7 +410,8 @@ static inline __attribute__((always_inline)) void block_vnni(const int8_t *xq, c
                     continue;
                 }
                 f[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r]), _mm512_mul_ps(dv, _mm512_set1_ps(s)), f[r]);
-                f[r] = _mm512_fmadd_ps(sv[1], _mm512_set1_ps(s * (float)(sums[0] + sums[1])), f[r]);
+                if (base_kind(kind) == 4 && !(kind & SYMMETRIC)) /* m is its own: + m s sum(xq) */
+                    f[r] = _mm512_fmadd_ps(sv[1], _mm512_set1_ps(s * (float)(sums[0] + sums[1])), f[r]);
             }
         }
     }
