@@ -281,41 +281,45 @@ int dequantize_rows(const uint8_t *packed, const int64_t *ids, int64_t count, vo
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #include <immintrin.h>
 
+/* Values at..at + 15 of a bf16 or f32 array as float32 (bf16 -> f32 exact). */
+static inline __m512 load_f32x16(const void *x, int64_t at, int bf16) {
+    if (!bf16) return _mm512_loadu_ps((const float *)x + at);
+    const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)x + at));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
 /* x rows -> int8 codes [m][k], scales [m][k / 32] and code sums [m][k / 16] (per row and half group: kind 6's
- * halves have their own scales; the others add the two). A group
+ * halves have their own scales; the others add the two), a group of 32 in two vectors: s = amax / 127 and
+ * xq = round-half-even(x / s), exactly as a scalar loop would (IEEE division, the same rounding). A group
  * holding a NaN or an infinity gets a NaN scale (its codes 0), so that the outputs it feeds are NaN, as
- * the float path's would be. */
+ * the float path's would be; an all-zero group scale 0 and codes 0. */
 static void quantize_rows(const void *x, int64_t m, int64_t k, int bf16, int8_t *xq, float *xs, int32_t *xsum,
                           int threads) {
     const int64_t groups = k / GROUP;
-#pragma omp parallel for num_threads(m * k >= 16384 ? threads : 1) schedule(static)
-    for (int64_t r = 0; r < m; ++r) {
-        float row[GROUP];
+#pragma omp parallel for num_threads(m * k >= 65536 ? threads : 1) schedule(static)
+    for (int64_t r = 0; r < m; ++r)
         for (int64_t g = 0; g < groups; ++g) {
-            float amax = 0.f;
-            int finite = 1;
-            for (int64_t i = 0; i < GROUP; ++i) {
-                const int64_t at = r * k + g * GROUP + i;
-                row[i] = value_at(x, at, bf16);
-                finite &= isfinite(row[i]);
-                amax = fabsf(row[i]) > amax ? fabsf(row[i]) : amax;
-            }
+            const int64_t at = r * k + g * GROUP;
+            const __m512 v[2] = {load_f32x16(x, at, bf16), load_f32x16(x, at + 16, bf16)};
+            const __m512 a0 = _mm512_abs_ps(v[0]), a1 = _mm512_abs_ps(v[1]), inf = _mm512_set1_ps(INFINITY);
+            const int finite = (_mm512_cmp_ps_mask(a0, inf, _CMP_LT_OQ) & _mm512_cmp_ps_mask(a1, inf, _CMP_LT_OQ))
+                               == 0xFFFF;
+            const float s = finite ? _mm512_reduce_max_ps(_mm512_max_ps(a0, a1)) / 127.f : NAN;
             int32_t *sums = xsum + r * 2 * groups + 2 * g;
-            sums[0] = sums[1] = 0;
-            if (!finite) {
-                memset(xq + r * k + g * GROUP, 0, GROUP);
-                xs[r * groups + g] = NAN;
+            xs[r * groups + g] = s;
+            if (!(s > 0.f)) { /* zeros, or not finite */
+                memset(xq + at, 0, GROUP);
+                sums[0] = sums[1] = 0;
                 continue;
             }
-            const float s = amax / 127.f;
-            for (int64_t i = 0; i < GROUP; ++i) {
-                const int8_t q = s > 0.f ? (int8_t)nearbyintf(row[i] / s) : 0;
-                xq[r * k + g * GROUP + i] = q;
-                sums[i / 16] += q;
+            for (int h = 0; h < 2; ++h) {
+                const __m512 scaled = _mm512_div_ps(v[h], _mm512_set1_ps(s));
+                const __m512i q = _mm512_cvtps_epi32(_mm512_roundscale_ps(scaled, _MM_FROUND_TO_NEAREST_INT
+                                                                                  | _MM_FROUND_NO_EXC));
+                _mm_storeu_si128((__m128i *)(xq + at + 16 * h), _mm512_cvtepi32_epi8(q));
+                sums[h] = _mm512_reduce_add_epi32(q);
             }
-            xs[r * groups + g] = s;
         }
-    }
 }
 
 /* The 8 code vectors of a record: quad j's 4 k of each of the 16 columns, as unsigned bytes. */
