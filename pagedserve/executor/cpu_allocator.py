@@ -77,3 +77,23 @@ def _populate(buffer: mmap.mmap, num_bytes: int) -> None:
             raise MemoryError(f"cannot commit {num_bytes / 2 ** 30:.2f} GiB for the KV cache: not enough memory "
                               "(lower --kv-cache-memory-bytes)") from None
         logger.debug("MADV_POPULATE_WRITE unsupported (%s): the KV cache's pages fault in as they are used", e)
+
+
+class HugePageArena:
+    """Long-lived buffers cut from chunks of huge_page_zeros as they are asked for: many weights of a few MiB
+    each (a model's quantized linears), none of which would get huge pages alone, streamed by every decode step.
+    Each buffer starts 64-byte aligned; a chunk's unused tail is address space only."""
+
+    def __init__(self, chunk_bytes: int = 64 << 20) -> None:
+        self._chunk_bytes = chunk_bytes
+        self._chunk: torch.Tensor | None = None
+        self._used = 0
+
+    def take(self, num_bytes: int) -> torch.Tensor:
+        """A zeroed uint8 tensor of num_bytes."""
+        size = -(-num_bytes // 64) * 64
+        if self._chunk is None or self._used + size > self._chunk.numel():
+            self._chunk, self._used = huge_page_zeros(max(size, self._chunk_bytes)), 0
+        buffer = self._chunk[self._used:self._used + num_bytes]
+        self._used += size
+        return buffer

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -32,6 +32,8 @@ HALF_SCALES, SYMMETRIC, SUPER_SCALES = 16, 32, 64
 as 8-bit multiples of float16 factors per 256 inputs (Q4_K, Q6_K)."""
 _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+Allocate = Callable[[int], torch.Tensor]
+"""Where pack puts a weight: num_bytes -> a uint8 tensor of that many bytes (e.g. HugePageArena.take)."""
 
 
 def _lib() -> Optional[ctypes.CDLL]:
@@ -101,7 +103,7 @@ class QuantizedWeight:
     source_type: str
     """The GGUF type the weight came from (Q8_0, Q4_1, ...), for logs."""
     flags: int = 0
-    """HALF_SCALES and SYMMETRIC, as pack chose them (0 for MIXED: its table holds each block's)."""
+    """HALF_SCALES, SYMMETRIC or SUPER_SCALES, as pack chose them (0 for MIXED: its table holds each block's)."""
 
     @property
     def nbytes(self) -> int:
@@ -115,13 +117,15 @@ class QuantizedWeight:
     @staticmethod
     def pack(codes: torch.Tensor, scales: torch.Tensor, offsets: Optional[torch.Tensor], kind: int,
              source_type: str, half_scales: Optional[bool] = None,
-             super_scales: Optional[SuperScales] = None) -> "QuantizedWeight":
+             super_scales: Optional[SuperScales] = None, allocate: Optional[Allocate] = None) -> "QuantizedWeight":
         """codes [N, K] (int8 for kind 8, uint8 0..15 for kind 4, 0..63 for kind 6), scales [N, K / 32] float32
         ([N, K / 16] for kind 6), offsets [N, K / 32] float32 (used by kind 4 only). half_scales: store the
-        scales as float16 (None: where that is exact). super_scales (kinds 4 and 6, K % 256 == 0): store the
-        scales in that form instead (`scales` and `offsets` are then its products, and unread)."""
+        scales as float16 (None: where that is exact; True rounds them). super_scales (kinds 4 and 6, K % 256 == 0): store the
+        scales in that form instead (`scales` and `offsets` are then its products, and unread). allocate: where
+        the records go (default: a new tensor)."""
+        allocate = allocate or _new_bytes
         if super_scales is not None:
-            return QuantizedWeight._pack_super(codes, super_scales, kind, source_type)
+            return QuantizedWeight._pack_super(codes, super_scales, kind, source_type, allocate)
         n, k = codes.shape
         group = 16 if kind == 6 else GROUP
         if kind not in KINDS or n % 16 or k % GROUP or tuple(scales.shape) != (n, k // group):
@@ -135,14 +139,15 @@ class QuantizedWeight:
         if half_scales:
             flags |= HALF_SCALES
             scales, offsets = scales.half(), offsets.half()
-        data = torch.empty(library.packed_bytes(n, k, kind | flags), dtype=torch.uint8)
+        data = allocate(library.packed_bytes(n, k, kind | flags))
         if library.pack_weight(codes.contiguous().view(torch.uint8).data_ptr(), scales.data_ptr(),
                                offsets.data_ptr(), None, None, data.data_ptr(), n, k, kind | flags):
             raise RuntimeError("quant_gemm pack_weight failed")
         return QuantizedWeight(data, kind, n, k, source_type, flags)
 
     @staticmethod
-    def _pack_super(codes: torch.Tensor, scales: SuperScales, kind: int, source_type: str) -> "QuantizedWeight":
+    def _pack_super(codes: torch.Tensor, scales: SuperScales, kind: int, source_type: str,
+                    allocate: Allocate) -> "QuantizedWeight":
         n, k = codes.shape
         per = 16 if kind == 6 else 32
         if (kind not in (4, 6) or n % 16 or k % 256 or tuple(scales.d.shape) != (n, k // 256)
@@ -153,16 +158,17 @@ class QuantizedWeight:
         dmin = scales.min_d.half().contiguous() if kind == 4 else d
         mn = scales.min_codes.contiguous().view(torch.uint8) if kind == 4 else sc
         library = _required_lib()
-        data = torch.empty(library.packed_bytes(n, k, kind | SUPER_SCALES), dtype=torch.uint8)
+        data = allocate(library.packed_bytes(n, k, kind | SUPER_SCALES))
         if library.pack_weight(codes.contiguous().view(torch.uint8).data_ptr(), d.data_ptr(), dmin.data_ptr(),
                                sc.data_ptr(), mn.data_ptr(), data.data_ptr(), n, k, kind | SUPER_SCALES):
             raise RuntimeError("quant_gemm pack_weight failed")
         return QuantizedWeight(data, kind, n, k, source_type, SUPER_SCALES)
 
     @staticmethod
-    def pack_shards(shards: list["QuantizedWeight"]) -> "QuantizedWeight":
+    def pack_shards(shards: list["QuantizedWeight"], allocate: Optional[Allocate] = None) -> "QuantizedWeight":
         """One weight of the shards' rows in order (each packed alone, with the same in_features), whatever
-        their kinds: a table of (offset, kind) per block of 16 columns, then the shards' records."""
+        their kinds: a table of (offset, kind) per block of 16 columns, then the shards' records (copied into
+        `allocate`'s bytes, default a new tensor)."""
         k = shards[0].in_features
         if any(s.in_features != k or s.kind not in KINDS for s in shards):
             raise ValueError("pack_shards takes packed shards of one in_features")
@@ -174,7 +180,9 @@ class QuantizedWeight:
             table[block:block + blocks, 0] = offset + torch.arange(blocks) * (shard.nbytes // blocks)
             table[block:block + blocks, 1] = shard.kernel_kind
             offset, block = offset + shard.nbytes, block + blocks
-        data = torch.cat([table.view(-1).view(torch.uint8), *(s.data for s in shards)])
+        parts = [table.view(-1).view(torch.uint8), *(s.data for s in shards)]
+        data = (allocate or _new_bytes)(sum(p.numel() for p in parts))
+        torch.cat(parts, out=data)
         return QuantizedWeight(data, MIXED, n, k, "+".join(dict.fromkeys(s.source_type for s in shards)))
 
 
@@ -212,6 +220,10 @@ def rows(ids: torch.Tensor, weight: QuantizedWeight, dtype: torch.dtype) -> torc
     if status != 0:
         raise RuntimeError(f"quant_gemm dequantize_rows failed (status {status})")
     return out.view(*ids.shape, weight.in_features)
+
+
+def _new_bytes(num_bytes: int) -> torch.Tensor:
+    return torch.empty(num_bytes, dtype=torch.uint8)
 
 
 def _exact_in_half(values: torch.Tensor) -> bool:

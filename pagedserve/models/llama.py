@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from pagedserve.attention.torch_paged import paged_attention
-from pagedserve.executor.cpu_allocator import huge_page_zeros
+from pagedserve.executor.cpu_allocator import HugePageArena, huge_page_zeros
 from pagedserve.executor.forward_context import get_attention_metadata, get_lora_mapping
 from pagedserve.kernels import fused_ops, quant_gemm, skinny_gemm
 from pagedserve.kernels.decode_layers import DecodeLayers
@@ -205,7 +205,8 @@ class LlamaForCausalLM(nn.Module):
         """Copy checkpoint tensors (HF names) into the parameters; every parameter must be filled."""
         params = dict(self.named_parameters())
         filled: dict[str, int] = {}
-        quantized = QuantizedParts(self, self._num_shards)
+        # Kept-quantized weights (CPU only) in huge pages, as the packed bf16 copies are: a decode step streams them.
+        quantized = QuantizedParts(self, self._num_shards, HugePageArena().take)
         for name, tensor in weights:
             if "rotary_emb" in name or (name == "lm_head.weight" and self.tie_word_embeddings):
                 continue

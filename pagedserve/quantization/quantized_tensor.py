@@ -73,8 +73,9 @@ class QuantizedParts:
     different kinds (Q4_K_M files: Q4_K q/k with a Q6_K v) are packed each alone and joined
     (QuantizedWeight.pack_shards). `finish` dequantizes what is left: linears only partly quantized (logged)."""
 
-    def __init__(self, model: torch.nn.Module, num_shards) -> None:
-        self._model, self._num_shards = model, num_shards
+    def __init__(self, model: torch.nn.Module, num_shards, allocate=None) -> None:
+        """allocate: where packed weights go (quant_gemm.Allocate; default: new tensors)."""
+        self._model, self._num_shards, self._allocate = model, num_shards, allocate
         self._parts: dict[str, dict[int, tuple[QuantizedTensor, torch.Tensor]]] = {}
 
     def add(self, target: str, shard: int, tensor: QuantizedTensor, dest: torch.Tensor) -> bool:
@@ -108,11 +109,11 @@ class QuantizedParts:
                 torch.cat([t.codes for t in tensors]), torch.cat([t.scales for t in tensors]),
                 torch.cat([t.offsets for t in tensors]), tensors[0].kind,
                 "+".join(sorted({t.source for t in tensors})),
-                super_scales=None if supers[0] is None else SuperScales.cat(supers))
+                super_scales=None if supers[0] is None else SuperScales.cat(supers), allocate=self._allocate)
         else:
             module.quantized = QuantizedWeight.pack_shards(
                 [QuantizedWeight.pack(t.codes, t.scales, t.offsets, t.kind, t.source, super_scales=t.super_scales)
-                 for t in tensors])
+                 for t in tensors], allocate=self._allocate)
         module.input_order = tensors[0].input_order
         module.weight = torch.nn.Parameter(torch.empty(0, dtype=module.weight.dtype), requires_grad=False)
 

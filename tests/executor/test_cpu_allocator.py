@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from pagedserve.executor.cpu_allocator import huge_page_zeros
+from pagedserve.executor.cpu_allocator import HugePageArena, huge_page_zeros
 
 
 def _anon_huge_kib() -> int:
@@ -35,6 +35,18 @@ def test_huge_page_zeros_gets_transparent_huge_pages_where_the_kernel_gives_them
     buffer = huge_page_zeros(64 << 20)
     buffer.view(torch.int64)[::512].fill_(1)  # touch every 4 KiB page
     assert _anon_huge_kib() - before >= 32 << 10  # at least half of it in 2 MiB pages
+
+
+def test_an_arena_hands_out_aligned_disjoint_zeroed_buffers_and_a_new_chunk_when_full():
+    arena = HugePageArena(chunk_bytes=1 << 20)
+    buffers = [arena.take(size) for size in (100, 5000, 700_000, 400_000, 3 << 20)]
+    assert [b.numel() for b in buffers] == [100, 5000, 700_000, 400_000, 3 << 20]
+    assert all(b.data_ptr() % 64 == 0 and not b.any() for b in buffers)
+    for i, b in enumerate(buffers):
+        b.fill_(i + 1)
+    assert all(bool((b == i + 1).all()) for i, b in enumerate(buffers))  # none overlaps another
+    # the fourth does not fit in the first chunk's tail, the fifth is bigger than a chunk: each got its own
+    assert buffers[1].data_ptr() - buffers[0].data_ptr() == 128
 
 
 def _rss_kib() -> int:
