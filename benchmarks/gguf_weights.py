@@ -90,7 +90,7 @@ def main() -> None:
             runs[name]["c16"].append(run_case(c16, argparse.Namespace(**shape, num_requests=64), [],
                                               100 * repeat + 50 + i))
     print(f"# {cpu_kind()}; activations {engines[cases[0][0]][0].runner.dtype}; quantized matmul: "
-          f"{'AVX512-VNNI int8' if quant_gemm.uses_vnni() else 'float32 tiles'}; {args.repeats} interleaved runs, medians\n")
+          f"{quant_gemm.kernel_name()}; {args.repeats} interleaved runs, medians\n")
     print("| weights | file MiB | resident weights MiB | load s | W1 out tok/s | vs float | concurrency 16: "
           "mean TPOT (ms) | per token vs float |")
     print("|---|---|---|---|---|---|---|---|")

@@ -89,7 +89,7 @@ def main() -> None:
     kinds = {name: [(quantized(n, k, name, arena.take), k) for _ in range(layers) for n, k in shapes] for name in names}
     weight_mib = {"bf16": sum(w.numel() * 2 for w, _ in bf16) / 2**20,
                   **{name: sum(q.nbytes for q, _ in ws) / 2**20 for name, ws in kinds.items()}}
-    print(f"# {args.model}; {cpu_kind()}; quantized matmul: {'AVX512-VNNI int8' if quant_gemm.uses_vnni() else 'float32 tiles'};"
+    print(f"# {args.model}; {cpu_kind()}; quantized matmul: {quant_gemm.kernel_name()};"
           f" weights per step: " + ", ".join(f"{name} {mib:.0f} MiB" for name, mib in weight_mib.items()) + "\n")
     print("| rows | bf16 ms | " + " | ".join(f"{name} ms | vs bf16" for name in names) + " |")
     print("|---" * (2 + 2 * len(names)) + "|")

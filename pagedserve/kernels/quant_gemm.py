@@ -2,8 +2,9 @@
 kept quantized in memory and computed from directly, for any number of rows.
 
 Paths by ISA level (kernels/build.py): avx512_bf16 (whose CPUs all have AVX512-VNNI) quantizes the activations
-per row and group of 32 to int8 and uses VNNI int8 dot products; every other level dequantizes each
-weight record into a float32 tile and multiplies the float activations in (no activation quantization).
+per row and group of 32 to int8 and uses VNNI int8 dot products; avx512 and avx2 do the same with AVX2's
+maddubs (the same int32 sums, the same float operations: the same results); generic dequantizes each weight
+record into a float32 tile and multiplies the float activations in (no activation quantization).
 `QuantizedWeight.pack(...)` lays a weight out once (`pack_shards` a fused linear whose shards have different
 kinds), with float16 scales where every scale and offset is one exactly (Q8_0, Q4_0, Q4_1: the weight then takes
 what the file does) and no stored offsets where they are -8 x the scale (Q4_0); `linear(x, weight, bias)`
@@ -44,7 +45,7 @@ def _lib() -> Optional[ctypes.CDLL]:
         library.packed_bytes.restype = _I64
         library.quant_gemm.argtypes = [_P, _P, _P, _P, _I64, _I64, _I64, _INT, _INT, _INT]
         library.dequantize_rows.argtypes = [_P, _P, _I64, _P, _I64, _I64, _INT, _INT, _INT]
-        for function in (library.pack_weight, library.quant_gemm, library.vnni, library.dequantize_rows):
+        for function in (library.pack_weight, library.quant_gemm, library.int8_path, library.dequantize_rows):
             function.restype = _INT
         library._typed = True
     return library
@@ -61,9 +62,17 @@ def available() -> bool:
     return _lib() is not None
 
 
-def uses_vnni() -> bool:
-    """Whether the kernel in force quantizes activations and uses VNNI dot products (else: float tiles)."""
-    return available() and bool(_lib().vnni())
+def quantizes_activations() -> bool:
+    """Whether the kernel in force quantizes activations to int8 and uses integer dot products (AVX-512 VNNI or
+    AVX2), else it multiplies float activations into dequantized tiles."""
+    return available() and bool(_lib().int8_path())
+
+
+def kernel_name() -> str:
+    """The path in force, for logs and benchmarks."""
+    if not available():
+        return "none (no C compiler)"
+    return {1: "AVX512-VNNI int8", 2: "AVX2 int8 (maddubs)"}.get(_lib().int8_path(), "float32 tiles")
 
 
 @dataclass(frozen=True)

@@ -207,9 +207,7 @@ def _log_quantized(model: torch.nn.Module) -> None:
         logger.info("%d weights kept quantized (%s%s; %.1f MiB, %.0f%% of it with float16 scales), computed by the "
                     "%s kernel", len(weights), ", ".join(sorted({w.source_type for w in weights})),
                     f"; with {' and '.join(tables)}" if tables else "", sum(w.nbytes for w in weights) / 2**20,
-                    100 * half / sum(w.nbytes for w in weights),
-                    "AVX512-VNNI int8 (activations quantized per 32)" if quant_gemm.uses_vnni()
-                    else "dequantize-a-tile float32")
+                    100 * half / sum(w.nbytes for w in weights), quant_gemm.kernel_name())
 
 
 def load_tokenizer(config: ModelConfig, checkpoint=None):

@@ -83,7 +83,7 @@ def test_kernel_matches_its_reference(kind, storage, rows, dtype, isa):
     bias = torch.randn(n).to(dtype)
     out = quant_gemm.linear(x, packed, bias).double()
     exact = x.double() @ weight.dequantize().double().T + bias.double()
-    reference = (emulate_vnni(x, weight) + bias.double()) if quant_gemm.uses_vnni() else exact
+    reference = (emulate_vnni(x, weight) + bias.double()) if quant_gemm.quantizes_activations() else exact
     rounding = 2 ** -7 if dtype == torch.bfloat16 else 1e-5  # the output's own rounding (relative)
     assert ((out - reference).abs() <= rounding * reference.abs() + 1e-4).all()
     # activation quantization (VNNI) costs at most about half a step of 1/127 of each group's largest value
@@ -107,7 +107,7 @@ def test_scales_that_float16_cannot_hold_exactly_stay_float32():
     packed = quant_gemm.QuantizedWeight.pack(weight.codes, weight.scales, weight.offsets, 4, "test")
     assert packed.flags == 0 and packed.nbytes == 16 * 64 * 0.75
     x = torch.randn(2, 64, generator=torch.Generator().manual_seed(5))
-    reference = emulate_vnni(x, weight) if quant_gemm.uses_vnni() else x.double() @ weight.dequantize().double().T
+    reference = emulate_vnni(x, weight) if quant_gemm.quantizes_activations() else x.double() @ weight.dequantize().double().T
     assert ((quant_gemm.linear(x, packed).double() - reference).abs() <= 1e-5 * reference.abs() + 1e-4).all()
 
 
@@ -153,7 +153,7 @@ def test_many_column_blocks_and_a_long_k_match_the_dequantized_matmul(kind, isa)
     packed = quant_gemm.QuantizedWeight.pack(weight.codes, weight.scales, weight.offsets, kind, "test")
     x = torch.randn(9, 1536, generator=torch.Generator().manual_seed(8))
     out = quant_gemm.linear(x, packed).double()
-    reference = emulate_vnni(x, weight) if quant_gemm.uses_vnni() else x.double() @ weight.dequantize().double().T
+    reference = emulate_vnni(x, weight) if quant_gemm.quantizes_activations() else x.double() @ weight.dequantize().double().T
     assert ((out - reference).abs() <= 1e-5 * reference.abs() + 1e-4).all()
 
 
@@ -191,3 +191,23 @@ def test_shards_of_different_kinds_packed_together_give_each_shards_own_result(i
         bias = torch.randn(144).bfloat16()
         expected = torch.cat([quant_gemm.linear(x, w, b) for w, b in zip(alone, bias.split([32, 16, 48, 16, 32]))], dim=1)
         assert torch.equal(quant_gemm.linear(x, joined, bias), expected)
+
+
+@pytest.mark.parametrize("kind, storage", KIND_STORAGES)
+def test_the_avx2_int8_path_gives_the_vnni_paths_results_bit_for_bit(kind, storage, monkeypatch):
+    """Both sum the same int32 dot products and apply the same float operations per column, so a model computes
+    the same tokens on an AVX2 machine as on a VNNI one."""
+    from pagedserve.kernels import build
+
+    if build.ISA_LEVELS.index(build.native_isa()) < build.ISA_LEVELS.index("avx512_bf16"):
+        pytest.skip("CPU has no avx512_bf16 (AVX512-VNNI): the VNNI side of the comparison is not tested here")
+    weight = random_weight(48, 512, kind, seed=31)
+    packed = pack(weight, storage)
+    x = torch.randn(11, 512, generator=torch.Generator().manual_seed(32)).bfloat16()
+    outputs = {}
+    for level in ("avx512_bf16", "avx2"):
+        monkeypatch.setenv("PAGEDSERVE_CPU_ISA", level)
+        build.reset()
+        outputs[level] = quant_gemm.linear(x, packed)
+    build.reset()
+    assert torch.equal(outputs["avx512_bf16"], outputs["avx2"])

@@ -33,6 +33,10 @@
  *   y += s * (d * dot + m * sum(xq)) for kind 4; where the offset is a multiple of d (kind 8: -128d, taking back
  *   the 128 * sum(xq) that q + 128 adds; symmetric kind 4: -8d) the sum starts at that multiple of sum(xq)
  *   instead, exact in int32, and y += s * d * dot; kind 6 subtracts 32 sum(xq) of each half from its sum.
+ * - AVX2 + FMA + F16C (the avx2 and avx512 levels: Zen 2/3, Skylake-X): the same activation codes and the same
+ *   int32 sums, 8 columns at a time, through maddubs (unsigned x signed bytes into int16 pairs; kind 8's signed
+ *   codes go in as |q| with xq carrying q's sign, so no pair saturates) and madd; then the same float
+ *   operations per column as the VNNI path, so both give the same results bit for bit.
  * - everything else: each record is dequantized into a [32][16] float tile (w exactly as above, in float32),
  *   and every row's x (float32) is multiplied in with FMAs: no activation quantization.
  * Each output is summed in float32 in k order whatever M is, so a row's result does not depend on the batch.
@@ -156,9 +160,12 @@ static inline const uint8_t *block_records(const uint8_t *packed, int64_t nb, in
     return packed + table[2 * nb];
 }
 
-int vnni(void) {
+/* Which path this build runs: 1 AVX-512 VNNI, 2 AVX2 int8 (both quantize the activations), 0 float tiles. */
+int int8_path(void) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
     return 1;
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+    return 2;
 #else
     return 0;
 #endif
@@ -465,6 +472,209 @@ int quant_gemm(const void *x, const uint8_t *packed, const void *bias, void *y, 
             case 4 | SYMMETRIC: BLOCK_CALL(4 | SYMMETRIC); break;
             case 4 | SUPER_SCALES: BLOCK_CALL(4 | SUPER_SCALES); break;
             case 6 | SUPER_SCALES: BLOCK_CALL(6 | SUPER_SCALES); break;
+            default: BLOCK_CALL(4 | SYMMETRIC | HALF_SCALES); break;
+            }
+        }
+    free(xq), free(xs), free(xsum);
+    return 0;
+}
+
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+
+#define AVX2_ROWS 4 /* rows per pass: 16 ymm registers hold their sums, a code vector and temporaries */
+
+/* Values at..at + 7 of a bf16 or f32 array as float32. */
+static inline __m256 load_f32x8(const void *x, int64_t at, int bf16) {
+    if (!bf16) return _mm256_loadu_ps((const float *)x + at);
+    const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)x + at));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+static inline float max_of(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1)));
+}
+
+static inline int32_t sum_of(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+    return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1)));
+}
+
+/* As the AVX-512 quantize_rows (the same s, codes and sums bit for bit), a group in four vectors of 8. */
+static void quantize_rows(const void *x, int64_t m, int64_t k, int bf16, int8_t *xq, float *xs, int32_t *xsum,
+                          int threads) {
+    const int64_t groups = k / GROUP;
+    const __m256 sign = _mm256_set1_ps(-0.f), inf = _mm256_set1_ps(INFINITY);
+#pragma omp parallel for num_threads(m * k >= 65536 ? threads : 1) schedule(static)
+    for (int64_t r = 0; r < m; ++r)
+        for (int64_t g = 0; g < groups; ++g) {
+            const int64_t at = r * k + g * GROUP;
+            __m256 v[4], amax = _mm256_setzero_ps();
+            int finite = 1;
+            for (int i = 0; i < 4; ++i) {
+                v[i] = load_f32x8(x, at + 8 * i, bf16);
+                const __m256 a = _mm256_andnot_ps(sign, v[i]);
+                finite &= _mm256_movemask_ps(_mm256_cmp_ps(a, inf, _CMP_LT_OQ)) == 0xff;
+                amax = _mm256_max_ps(amax, a);
+            }
+            const float s = finite ? max_of(amax) / 127.f : NAN;
+            int32_t *sums = xsum + r * 2 * groups + 2 * g;
+            xs[r * groups + g] = s;
+            sums[0] = sums[1] = 0;
+            if (!(s > 0.f)) { /* zeros, or not finite */
+                memset(xq + at, 0, GROUP);
+                continue;
+            }
+            __m256i q[4];
+            for (int i = 0; i < 4; ++i) {
+                q[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_div_ps(v[i], _mm256_set1_ps(s)),
+                                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+                sums[i / 2] += sum_of(q[i]);
+            }
+            /* int32 -> int8 in order: the packs work per 128-bit lane, so put the lanes back after */
+            const __m256i w16 = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+            _mm256_storeu_si256((__m256i *)(xq + at), _mm256_permutevar8x32_epi32(w16, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+        }
+}
+
+/* Quad j's codes of the 8 columns of half ch of a record (32 bytes: 4 k per column): unsigned for kinds 4 and
+ * 6, signed q for kind 8 (its stored q + 128 with the top bit flipped back). */
+static inline __attribute__((always_inline)) __m256i half_quad_codes(const uint8_t *rec, const int kind, int j, int ch) {
+    const __m256i low = _mm256_set1_epi8(0x0f);
+    if (base_kind(kind) == 8)
+        return _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(rec + 64 * j + 32 * ch)), _mm256_set1_epi8((char)0x80));
+    const __m256i v = _mm256_loadu_si256((const __m256i *)(rec + 64 * (j % 4) + 32 * ch));
+    __m256i w = _mm256_and_si256(j < 4 ? v : _mm256_srli_epi16(v, 4), low);
+    if (base_kind(kind) == 6) { /* quad j's top 2 bits sit at bit 2 * (j / 2) of the high-bit bytes j % 2 */
+        const __m256i h = _mm256_loadu_si256((const __m256i *)(rec + 256 + 64 * (j % 2) + 32 * ch));
+        w = _mm256_or_si256(w, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2 * (j / 2)), _mm256_set1_epi8(3)), 4));
+    }
+    return w;
+}
+
+static inline __m256 f16x8(const uint8_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+
+/* Record g's scales for the 8 columns of half ch, as record_scales gives them (the same float operations). */
+static inline __attribute__((always_inline)) void half_scales_of(const uint8_t *recs, int64_t g, int64_t groups,
+                                                                const int kind, int ch, __m256 sv[2]) {
+    const uint8_t *p = record_at(recs, g, kind) + code_bytes(kind);
+    if (kind & SUPER_SCALES) {
+        const uint8_t *f = factors_at(recs, g, groups, kind);
+        const __m128i lo = _mm_loadl_epi64((const __m128i *)(p + 8 * ch));
+        const __m128i hi = _mm_loadl_epi64((const __m128i *)(p + COLS + 8 * ch));
+        const __m256 d = f16x8(f + 16 * ch);
+        if (base_kind(kind) == 4) { /* d = D * sc, m = -(Dmin * mn) */
+            sv[0] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)));
+            const __m256 dm = _mm256_mul_ps(f16x8(f + 2 * COLS + 16 * ch), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)));
+            sv[1] = _mm256_xor_ps(dm, _mm256_set1_ps(-0.f));
+        } else { /* d_h = sc_h * D */
+            sv[0] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo)), d);
+            sv[1] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi)), d);
+        }
+        return;
+    }
+    for (int v = 0; v < scale_vectors(kind); ++v)
+        sv[v] = kind & HALF_SCALES ? f16x8(p + (v * COLS + 8 * ch) * 2) : _mm256_loadu_ps((const float *)p + v * COLS + 8 * ch);
+    if (scale_vectors(kind) == 1) sv[1] = _mm256_mul_ps(sv[0], _mm256_set1_ps(base_kind(kind) == 8 ? -128.f : -8.f));
+}
+
+/* Per column, the sum of its 4 codes times the 4 activation codes in xq4 (every dword the same 4 bytes), exact in
+ * int32: maddubs takes unsigned x signed bytes into saturating int16 pairs, so kind 8's signed codes go in as
+ * |q| with xq carrying q's sign (no pair reaches 2^15); nibbles and 6-bit codes are unsigned already. */
+static inline __attribute__((always_inline)) __m256i dot_quads(__m256i w, __m256i xq4, const int kind) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    if (base_kind(kind) == 8) return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(xq4, w)), ones);
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(w, xq4), ones);
+}
+
+/* Rows [r0, r0 + rows) of column block nb, 8 columns at a time; the same int32 sums as the VNNI path, then the
+ * same float operations per column (kind 8 sums q xq directly, so its offset term is 0 here). */
+static inline __attribute__((always_inline)) void block_avx2(const int8_t *xq, const float *xs, const int32_t *xsum,
+                                                            const uint8_t *recs, const void *bias, void *y,
+                                                            int64_t r0, int64_t rows, int64_t nb, int64_t n,
+                                                            int64_t k, const int kind, int bf16) {
+    const int64_t groups = k / GROUP;
+    const int passes = base_kind(kind) == 6 ? 2 : 1, quads = 8 / passes;
+    float out[AVX2_ROWS][COLS];
+    for (int ch = 0; ch < 2; ++ch) {
+        __m256 f[AVX2_ROWS];
+        for (int64_t r = 0; r < AVX2_ROWS; ++r) f[r] = _mm256_setzero_ps();
+        for (int64_t g = 0; g < groups; ++g) {
+            const uint8_t *rec = record_at(recs, g, kind);
+            __m256 sv[2];
+            half_scales_of(recs, g, groups, kind, ch, sv);
+            for (int half = 0; half < passes; ++half) {
+                __m256i acc[AVX2_ROWS];
+                for (int64_t r = 0; r < AVX2_ROWS; ++r) {
+                    const int32_t *sums = xsum + (r0 + (r < rows ? r : 0)) * 2 * groups + 2 * g;
+                    acc[r] = _mm256_set1_epi32(base_kind(kind) == 6 ? -32 * sums[half]
+                                               : kind & SYMMETRIC ? -8 * (sums[0] + sums[1]) : 0);
+                }
+                for (int j = half * quads; j < (half + 1) * quads; ++j) {
+                    const __m256i w = half_quad_codes(rec, kind, j, ch);
+                    for (int64_t r = 0; r < rows; ++r) {
+                        int32_t quad;
+                        memcpy(&quad, xq + (r0 + r) * k + g * GROUP + 4 * j, sizeof quad);
+                        acc[r] = _mm256_add_epi32(acc[r], dot_quads(w, _mm256_set1_epi32(quad), kind));
+                    }
+                }
+                const __m256 dv = sv[half];
+                for (int64_t r = 0; r < rows; ++r) {
+                    const int64_t row = r0 + r;
+                    const float s = xs[row * groups + g];
+                    f[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r]), _mm256_mul_ps(dv, _mm256_set1_ps(s)), f[r]);
+                    if (base_kind(kind) == 4 && !(kind & SYMMETRIC)) { /* m is its own: + m s sum(xq) */
+                        const int32_t *sums = xsum + row * 2 * groups + 2 * g;
+                        f[r] = _mm256_fmadd_ps(sv[1], _mm256_set1_ps(s * (float)(sums[0] + sums[1])), f[r]);
+                    }
+                }
+            }
+        }
+        for (int64_t r = 0; r < rows; ++r) _mm256_storeu_ps(out[r] + 8 * ch, f[r]);
+    }
+    for (int64_t r = 0; r < rows; ++r) store_block_row(y, out[r], bias, r0 + r, nb, n, bf16);
+}
+
+#define BLOCK_CALL(KIND)                                                                                  \
+    do {                                                                                                  \
+        if (rows == AVX2_ROWS)                                                                            \
+            block_avx2(xq, xs, xsum, recs, bias, y, r0, AVX2_ROWS, nb, n, k, KIND, bf16);                 \
+        else if (rows == 1)                                                                               \
+            block_avx2(xq, xs, xsum, recs, bias, y, r0, 1, nb, n, k, KIND, bf16);                         \
+        else                                                                                              \
+            block_avx2(xq, xs, xsum, recs, bias, y, r0, rows, nb, n, k, KIND, bf16);                      \
+    } while (0)
+
+int quant_gemm(const void *x, const uint8_t *packed, const void *bias, void *y, int64_t m, int64_t n, int64_t k,
+               int kind, int bf16, int threads) {
+    if (n % COLS || k % GROUP || !(known_kind(kind) || kind == MIXED)) return 1;
+    int8_t *xq = malloc((size_t)(m * k));
+    float *xs = malloc(sizeof(float) * (size_t)(m * (k / GROUP)));
+    int32_t *xsum = malloc(sizeof(int32_t) * (size_t)(m * (k / 16)));
+    if (!xq || !xs || !xsum) {
+        free(xq), free(xs), free(xsum);
+        return 2;
+    }
+    quantize_rows(x, m, k, bf16, xq, xs, xsum, threads);
+#pragma omp parallel for num_threads(threads) schedule(static) collapse(2)
+    for (int64_t nb = 0; nb < n / COLS; ++nb)
+        for (int64_t r0 = 0; r0 < m; r0 += AVX2_ROWS) {
+            const int64_t rows = m - r0 < AVX2_ROWS ? m - r0 : AVX2_ROWS;
+            int block_kind;
+            const uint8_t *recs = block_records(packed, nb, k / GROUP, kind, &block_kind);
+            switch (block_kind) { /* each kind and flags a specialized copy */
+            case 8: BLOCK_CALL(8); break;
+            case 8 | HALF_SCALES: BLOCK_CALL(8 | HALF_SCALES); break;
+            case 6: BLOCK_CALL(6); break;
+            case 6 | HALF_SCALES: BLOCK_CALL(6 | HALF_SCALES); break;
+            case 6 | SUPER_SCALES: BLOCK_CALL(6 | SUPER_SCALES); break;
+            case 4: BLOCK_CALL(4); break;
+            case 4 | HALF_SCALES: BLOCK_CALL(4 | HALF_SCALES); break;
+            case 4 | SYMMETRIC: BLOCK_CALL(4 | SYMMETRIC); break;
+            case 4 | SUPER_SCALES: BLOCK_CALL(4 | SUPER_SCALES); break;
             default: BLOCK_CALL(4 | SYMMETRIC | HALF_SCALES); break;
             }
         }
