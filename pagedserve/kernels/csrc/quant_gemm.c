@@ -433,51 +433,8 @@ static inline __attribute__((always_inline)) void block_vnni(const int8_t *xq, c
     }
 }
 
-/* A full pass (and a single row) takes a literal row count, so that its loops unroll and the per-row sums stay in
- * registers. */
-#define BLOCK_CALL(KIND)                                                                                  \
-    do {                                                                                                  \
-        if (rows == ROWS_PER_PASS)                                                                        \
-            block_vnni(xq, xs, xsum, recs, bias, y, r0, ROWS_PER_PASS, nb, n, k, KIND, bf16);             \
-        else if (rows == 1) /* single-stream decode */                                                    \
-            block_vnni(xq, xs, xsum, recs, bias, y, r0, 1, nb, n, k, KIND, bf16);                         \
-        else                                                                                              \
-            block_vnni(xq, xs, xsum, recs, bias, y, r0, rows, nb, n, k, KIND, bf16);                      \
-    } while (0)
-
-int quant_gemm(const void *x, const uint8_t *packed, const void *bias, void *y, int64_t m, int64_t n, int64_t k,
-               int kind, int bf16, int threads) {
-    if (n % COLS || k % GROUP || !(known_kind(kind) || kind == MIXED)) return 1;
-    int8_t *xq = malloc((size_t)(m * k));
-    float *xs = malloc(sizeof(float) * (size_t)(m * (k / GROUP)));
-    int32_t *xsum = malloc(sizeof(int32_t) * (size_t)(m * (k / 16)));
-    if (!xq || !xs || !xsum) {
-        free(xq), free(xs), free(xsum);
-        return 2;
-    }
-    quantize_rows(x, m, k, bf16, xq, xs, xsum, threads);
-#pragma omp parallel for num_threads(threads) schedule(static) collapse(2)
-    for (int64_t nb = 0; nb < n / COLS; ++nb)
-        for (int64_t r0 = 0; r0 < m; r0 += ROWS_PER_PASS) {
-            const int64_t rows = m - r0 < ROWS_PER_PASS ? m - r0 : ROWS_PER_PASS;
-            int block_kind;
-            const uint8_t *recs = block_records(packed, nb, k / GROUP, kind, &block_kind);
-            switch (block_kind) { /* each kind and flags a specialized copy */
-            case 8: BLOCK_CALL(8); break;
-            case 8 | HALF_SCALES: BLOCK_CALL(8 | HALF_SCALES); break;
-            case 6: BLOCK_CALL(6); break;
-            case 6 | HALF_SCALES: BLOCK_CALL(6 | HALF_SCALES); break;
-            case 4: BLOCK_CALL(4); break;
-            case 4 | HALF_SCALES: BLOCK_CALL(4 | HALF_SCALES); break;
-            case 4 | SYMMETRIC: BLOCK_CALL(4 | SYMMETRIC); break;
-            case 4 | SUPER_SCALES: BLOCK_CALL(4 | SUPER_SCALES); break;
-            case 6 | SUPER_SCALES: BLOCK_CALL(6 | SUPER_SCALES); break;
-            default: BLOCK_CALL(4 | SYMMETRIC | HALF_SCALES); break;
-            }
-        }
-    free(xq), free(xs), free(xsum);
-    return 0;
-}
+#define INT8_ROWS ROWS_PER_PASS
+#define INT8_BLOCK block_vnni
 
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
@@ -638,14 +595,21 @@ static inline __attribute__((always_inline)) void block_avx2(const int8_t *xq, c
     for (int64_t r = 0; r < rows; ++r) store_block_row(y, out[r], bias, r0 + r, nb, n, bf16);
 }
 
+#define INT8_ROWS AVX2_ROWS
+#define INT8_BLOCK block_avx2
+#endif
+
+#if defined(INT8_BLOCK)
+/* A full pass (and a single row) takes a literal row count, so that its loops unroll and the per-row sums stay in
+ * registers. */
 #define BLOCK_CALL(KIND)                                                                                  \
     do {                                                                                                  \
-        if (rows == AVX2_ROWS)                                                                            \
-            block_avx2(xq, xs, xsum, recs, bias, y, r0, AVX2_ROWS, nb, n, k, KIND, bf16);                 \
-        else if (rows == 1)                                                                               \
-            block_avx2(xq, xs, xsum, recs, bias, y, r0, 1, nb, n, k, KIND, bf16);                         \
+        if (rows == INT8_ROWS)                                                                            \
+            INT8_BLOCK(xq, xs, xsum, recs, bias, y, r0, INT8_ROWS, nb, n, k, KIND, bf16);                 \
+        else if (rows == 1) /* single-stream decode */                                                    \
+            INT8_BLOCK(xq, xs, xsum, recs, bias, y, r0, 1, nb, n, k, KIND, bf16);                         \
         else                                                                                              \
-            block_avx2(xq, xs, xsum, recs, bias, y, r0, rows, nb, n, k, KIND, bf16);                      \
+            INT8_BLOCK(xq, xs, xsum, recs, bias, y, r0, rows, nb, n, k, KIND, bf16);                      \
     } while (0)
 
 int quant_gemm(const void *x, const uint8_t *packed, const void *bias, void *y, int64_t m, int64_t n, int64_t k,
@@ -661,8 +625,8 @@ int quant_gemm(const void *x, const uint8_t *packed, const void *bias, void *y, 
     quantize_rows(x, m, k, bf16, xq, xs, xsum, threads);
 #pragma omp parallel for num_threads(threads) schedule(static) collapse(2)
     for (int64_t nb = 0; nb < n / COLS; ++nb)
-        for (int64_t r0 = 0; r0 < m; r0 += AVX2_ROWS) {
-            const int64_t rows = m - r0 < AVX2_ROWS ? m - r0 : AVX2_ROWS;
+        for (int64_t r0 = 0; r0 < m; r0 += INT8_ROWS) {
+            const int64_t rows = m - r0 < INT8_ROWS ? m - r0 : INT8_ROWS;
             int block_kind;
             const uint8_t *recs = block_records(packed, nb, k / GROUP, kind, &block_kind);
             switch (block_kind) { /* each kind and flags a specialized copy */
