@@ -7,7 +7,8 @@ maddubs (the same int32 sums, the same float operations: the same results); gene
 record into a float32 tile and multiplies the float activations in (no activation quantization).
 `QuantizedWeight.pack(...)` lays a weight out once (`pack_shards` a fused linear whose shards have different
 kinds), with float16 scales where every scale and offset is one exactly (Q8_0, Q4_0, Q4_1: the weight then takes
-what the file does) and no stored offsets where they are -8 x the scale (Q4_0); `linear(x, weight, bias)`
+what the file does), no stored offsets where they are -8 x the scale (Q4_0), and the scales of Q4_K / Q6_K
+(SuperScales) and of AWQ / GPTQ (GroupScales) as their files hold them; `linear(x, weight, bias)`
 computes x @ w.T + bias, and `rows(ids, weight, dtype)` dequantizes rows of a weight used as a table (token
 embeddings that are also the LM head).
 """
@@ -28,9 +29,11 @@ KINDS = (8, 4, 6)
 d per 16 (Q6_K)."""
 MIXED = 1
 """The kind of a weight packed by pack_shards: its column blocks have kinds of their own."""
-HALF_SCALES, SYMMETRIC, SUPER_SCALES = 16, 32, 64
+HALF_SCALES, SYMMETRIC, SUPER_SCALES, GROUP_SCALES = 16, 32, 64, 128
 """Flags on the kind the C code takes (csrc/quant_gemm.c): scales stored as float16; kind 4 with m = -8d; scales
-as 8-bit multiples of float16 factors per 256 inputs (Q4_K, Q6_K)."""
+as 8-bit multiples of float16 factors per 256 inputs (Q4_K, Q6_K); kind 4 with a float16 scale and an integer zero
+point per 2^span groups of 32 (AWQ, GPTQ), span in the kind's bits 8-11."""
+SPAN_SHIFT, MAX_SPAN = 8, 15
 _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 Allocate = Callable[[int], torch.Tensor]
@@ -103,6 +106,36 @@ class SuperScales:
 
 
 @dataclass(frozen=True)
+class GroupScales:
+    """AWQ / GPTQ scales as their checkpoints hold them: per output and group of `group_size` inputs a float16
+    scale d and an integer zero point z, w = (q - z) * d (kind 4 with m = -(z * d), exact in float32). Kept so,
+    a weight costs about what the checkpoint's qweight, qzeros and scales do (QuantizedWeight.pack)."""
+
+    d: torch.Tensor
+    """[N, K / group_size] float16."""
+    zeros: torch.Tensor
+    """[N, K / group_size] uint8 (0..16: GPTQ's z - 1 format stores 15 for 16)."""
+    group_size: int
+    """A multiple of 32."""
+
+    def rows(self, index: torch.Tensor) -> "GroupScales":
+        return GroupScales(self.d[index], self.zeros[index], self.group_size)
+
+    @staticmethod
+    def cat(parts: list["GroupScales"]) -> "GroupScales":
+        """The scales of the parts' rows, in order (one group size)."""
+        if len({p.group_size for p in parts}) > 1:
+            raise ValueError("GroupScales.cat takes parts of one group size")
+        return GroupScales(torch.cat([p.d for p in parts]), torch.cat([p.zeros for p in parts]), parts[0].group_size)
+
+    def span(self) -> int:
+        """log2 of the groups of 32 per stored scale group: the largest power of two (at most 2^15) dividing
+        group_size / 32; a larger group's scales are stored once per such span."""
+        groups = self.group_size // GROUP
+        return min((groups & -groups).bit_length() - 1, MAX_SPAN)
+
+
+@dataclass(frozen=True)
 class QuantizedWeight:
     data: torch.Tensor
     """uint8 records (csrc/quant_gemm.c's layout)."""
@@ -112,7 +145,8 @@ class QuantizedWeight:
     source_type: str
     """The GGUF type the weight came from (Q8_0, Q4_1, ...), for logs."""
     flags: int = 0
-    """HALF_SCALES, SYMMETRIC or SUPER_SCALES, as pack chose them (0 for MIXED: its table holds each block's)."""
+    """HALF_SCALES, SYMMETRIC, SUPER_SCALES or GROUP_SCALES (with its span), as pack chose them (0 for MIXED: its
+    table holds each block's)."""
 
     @property
     def nbytes(self) -> int:
@@ -126,15 +160,18 @@ class QuantizedWeight:
     @staticmethod
     def pack(codes: torch.Tensor, scales: torch.Tensor, offsets: Optional[torch.Tensor], kind: int,
              source_type: str, half_scales: Optional[bool] = None,
-             super_scales: Optional[SuperScales] = None, allocate: Optional[Allocate] = None) -> "QuantizedWeight":
+             super_scales: Optional[SuperScales] = None, group_scales: Optional[GroupScales] = None,
+             allocate: Optional[Allocate] = None) -> "QuantizedWeight":
         """codes [N, K] (int8 for kind 8, uint8 0..15 for kind 4, 0..63 for kind 6), scales [N, K / 32] float32
         ([N, K / 16] for kind 6), offsets [N, K / 32] float32 (used by kind 4 only). half_scales: store the
         scales as float16 (None: where that is exact; True rounds them). super_scales (kinds 4 and 6, K % 256 == 0): store the
-        scales in that form instead (`scales` and `offsets` are then its products, and unread). allocate: where
-        the records go (default: a new tensor)."""
+        scales in that form instead (`scales` and `offsets` are then its products, and unread); so group_scales
+        (kind 4, K % group_size == 0). allocate: where the records go (default: a new tensor)."""
         allocate = allocate or _new_bytes
         if super_scales is not None:
             return QuantizedWeight._pack_super(codes, super_scales, kind, source_type, allocate)
+        if group_scales is not None:
+            return QuantizedWeight._pack_groups(codes, group_scales, kind, source_type, allocate)
         n, k = codes.shape
         group = 16 if kind == 6 else GROUP
         if kind not in KINDS or n % 16 or k % GROUP or tuple(scales.shape) != (n, k // group):
@@ -172,6 +209,27 @@ class QuantizedWeight:
                                sc.data_ptr(), mn.data_ptr(), data.data_ptr(), n, k, kind | SUPER_SCALES):
             raise RuntimeError("quant_gemm pack_weight failed")
         return QuantizedWeight(data, kind, n, k, source_type, SUPER_SCALES)
+
+    @staticmethod
+    def _pack_groups(codes: torch.Tensor, scales: GroupScales, kind: int, source_type: str,
+                     allocate: Allocate) -> "QuantizedWeight":
+        n, k = codes.shape
+        size = scales.group_size
+        if (kind != 4 or n % 16 or size % GROUP or k % size or tuple(scales.d.shape) != (n, k // size)
+                or tuple(scales.zeros.shape) != (n, k // size)):
+            raise ValueError(f"cannot pack a [{n}, {k}] weight of kind {kind} with scales per {size} inputs "
+                             "(needs kind 4, N % 16 == 0, K a multiple of the group size, a multiple of 32)")
+        span = scales.span()
+        repeat = size // (GROUP << span)  # scale groups the kernel's span splits each group into
+        d = scales.d.half().repeat_interleave(repeat, dim=1).contiguous()
+        zeros = scales.zeros.to(torch.uint8).repeat_interleave(repeat, dim=1).contiguous()
+        flags = GROUP_SCALES | (span << SPAN_SHIFT)
+        library = _required_lib()
+        data = allocate(library.packed_bytes(n, k, kind | flags))
+        if library.pack_weight(codes.contiguous().data_ptr(), d.data_ptr(), None, None, zeros.data_ptr(),
+                               data.data_ptr(), n, k, kind | flags):
+            raise RuntimeError("quant_gemm pack_weight failed")
+        return QuantizedWeight(data, kind, n, k, source_type, flags)
 
     @staticmethod
     def pack_shards(shards: list["QuantizedWeight"], allocate: Optional[Allocate] = None) -> "QuantizedWeight":

@@ -203,8 +203,10 @@ def _log_quantized(model: torch.nn.Module) -> None:
     if kept:
         weights = [w for _, w in kept]
         tables = [name.rsplit(".", 1)[-1] for name, _ in kept if name.endswith(("embed_tokens", "lm_head"))]
-        half = sum(w.nbytes for w in weights if w.flags & quant_gemm.HALF_SCALES)
-        logger.info("%d weights kept quantized (%s%s; %.1f MiB, %.0f%% of it with float16 scales), computed by the "
+        compact = quant_gemm.HALF_SCALES | quant_gemm.SUPER_SCALES | quant_gemm.GROUP_SCALES
+        half = sum(w.nbytes for w in weights if w.flags & compact)
+        logger.info("%d weights kept quantized (%s%s; %.1f MiB, %.0f%% of it with float16 scales as the file "
+                    "holds them, not float32 per 32), computed by the "
                     "%s kernel", len(weights), ", ".join(sorted({w.source_type for w in weights})),
                     f"; with {' and '.join(tables)}" if tables else "", sum(w.nbytes for w in weights) / 2**20,
                     100 * half / sum(w.nbytes for w in weights), quant_gemm.kernel_name())

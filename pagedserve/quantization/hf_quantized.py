@@ -12,7 +12,8 @@ From config.json's `quantization_config`:
   with `desc_act: true` not in order: the inputs are then stored sorted by group and the layer gathers its
   input in that order); w = (q - z) * s.
 A group of 128 inputs is four groups of 32 with the same scale and offset (group_size -1: one group per
-column). Anything else (other bit widths, AWQ's GEMV or Marlin layouts, groups that are not a multiple of 32,
+column); the packed weight keeps one float16 scale and zero point per group, as the checkpoint does
+(GroupScales), where the scales are float16 values. Anything else (other bit widths, AWQ's GEMV or Marlin layouts, groups that are not a multiple of 32,
 other quant_methods) is refused at load, before the weights are read, with the reason.
 """
 
@@ -23,6 +24,7 @@ from typing import Optional
 
 import torch
 
+from pagedserve.kernels.quant_gemm import GroupScales
 from pagedserve.quantization.quantized_tensor import QuantizedTensor
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
@@ -113,7 +115,16 @@ def to_quantized_tensor(name: str, tensors: dict[str, torch.Tensor], config: Qua
     per_32 = group_size // 32
     d = scales.repeat_interleave(per_32, dim=0).T.contiguous()  # [out, in / 32]
     m = (-(z * scales)).repeat_interleave(per_32, dim=0).T.contiguous()
-    return QuantizedTensor(name, config.method.upper(), codes.T.contiguous(), d, m, 4, order)
+    return QuantizedTensor(name, config.method.upper(), codes.T.contiguous(), d, m, 4, order,
+                           group_scales=_group_scales(scales, z, group_size))
+
+
+def _group_scales(scales: torch.Tensor, zeros: torch.Tensor, group_size: int) -> Optional[GroupScales]:
+    """The checkpoint's scales kept per group (float16 d, uint8 z: nibbles, or 16 for GPTQ's wrapped 15), where
+    float16 holds them exactly (bfloat16 or float32 scales may not); None (per-32 float32 scales) where not."""
+    if not torch.equal(scales.half().float(), scales):
+        return None
+    return GroupScales(scales.half().T.contiguous(), zeros.to(torch.uint8).T.contiguous(), group_size)
 
 
 def _check_shapes(name, codes, zeros, scales, in_features, groups, out, group_size) -> None:

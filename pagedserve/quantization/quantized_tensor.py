@@ -10,7 +10,7 @@ from typing import Optional
 
 import torch
 
-from pagedserve.kernels.quant_gemm import SuperScales
+from pagedserve.kernels.quant_gemm import GroupScales, SuperScales
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +35,9 @@ class QuantizedTensor:
     super_scales: Optional[SuperScales] = None
     """Q4_K / Q6_K: the scales as the file holds them (`scales` and `offsets` are their products), which the
     packed weight keeps instead of float32 scales."""
+    group_scales: Optional[GroupScales] = None
+    """AWQ / GPTQ: a float16 scale and an integer zero point per group of inputs, as the checkpoint holds them
+    (`scales` and `offsets` are what they give per 32), kept by the packed weight instead of float32 scales."""
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -48,7 +51,8 @@ class QuantizedTensor:
         """The same weight with its output rows reordered (llama's q/k un-permutation)."""
         return QuantizedTensor(self.name, self.qtype, self.codes[index], self.scales[index],
                                self.offsets[index], self.kind, self.input_order,
-                               None if self.super_scales is None else self.super_scales.rows(index))
+                               None if self.super_scales is None else self.super_scales.rows(index),
+                               None if self.group_scales is None else self.group_scales.rows(index))
 
     def dequantize(self) -> torch.Tensor:
         """The float32 weight (the reference the kernel is tested against)."""
@@ -104,23 +108,25 @@ class QuantizedParts:
 
         module = self._model.get_submodule(target.removesuffix(".weight"))
         if len({_storage(t) for t in tensors}) == 1:
-            supers = [t.super_scales for t in tensors]
+            supers, groups = [t.super_scales for t in tensors], [t.group_scales for t in tensors]
             module.quantized = QuantizedWeight.pack(
                 torch.cat([t.codes for t in tensors]), torch.cat([t.scales for t in tensors]),
                 torch.cat([t.offsets for t in tensors]), tensors[0].kind,
                 "+".join(sorted({t.source for t in tensors})),
-                super_scales=None if supers[0] is None else SuperScales.cat(supers), allocate=self._allocate)
+                super_scales=None if supers[0] is None else SuperScales.cat(supers),
+                group_scales=None if groups[0] is None else GroupScales.cat(groups), allocate=self._allocate)
         else:
             module.quantized = QuantizedWeight.pack_shards(
-                [QuantizedWeight.pack(t.codes, t.scales, t.offsets, t.kind, t.source, super_scales=t.super_scales)
-                 for t in tensors], allocate=self._allocate)
+                [QuantizedWeight.pack(t.codes, t.scales, t.offsets, t.kind, t.source, super_scales=t.super_scales,
+                                      group_scales=t.group_scales) for t in tensors], allocate=self._allocate)
         module.input_order = tensors[0].input_order
         module.weight = torch.nn.Parameter(torch.empty(0, dtype=module.weight.dtype), requires_grad=False)
 
 
-def _storage(tensor: QuantizedTensor) -> tuple[int, bool]:
-    """What decides a packed layout: the kind, and whether the scales come as super-block factors."""
-    return tensor.kind, tensor.super_scales is not None
+def _storage(tensor: QuantizedTensor) -> tuple[int, bool, Optional[int]]:
+    """What decides a packed layout: the kind, whether the scales come as super-block factors, and the group
+    size of scales per group."""
+    return tensor.kind, tensor.super_scales is not None, getattr(tensor.group_scales, "group_size", None)
 
 
 def _why_not_packed(tensors: list[QuantizedTensor], num_shards: int) -> Optional[str]:

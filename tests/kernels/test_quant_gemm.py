@@ -24,11 +24,13 @@ def random_weight(n: int, k: int, kind: int, seed: int = 0) -> QuantizedTensor:
     return QuantizedTensor("w", None, codes, scales, offsets, kind)
 
 
-STORAGES = ["float16 scales", "float32 scales", "symmetric", "super scales"]
+STORAGES = ["float16 scales", "float32 scales", "symmetric", "super scales", "group scales"]
 """How pack stores a weight's scales: float16 (where exact: the default), float32, kind 4 with m = -8d left
-implied (Q4_0), or 8-bit multiples of float16 factors per 256 inputs (Q4_K and Q6_K: kinds 4 and 6)."""
+implied (Q4_0), 8-bit multiples of float16 factors per 256 inputs (Q4_K and Q6_K: kinds 4 and 6), or a float16
+scale and a zero point per 128 inputs (AWQ and GPTQ: kind 4)."""
 KIND_STORAGES = [(kind, storage) for kind in (8, 4, 6) for storage in STORAGES
-                 if (storage != "symmetric" or kind == 4) and (storage != "super scales" or kind != 8)]
+                 if (storage not in ("symmetric", "group scales") or kind == 4)
+                 and (storage != "super scales" or kind != 8)]
 
 
 def with_super_scales(weight: QuantizedTensor, seed: int = 0) -> QuantizedTensor:
@@ -49,7 +51,24 @@ def with_super_scales(weight: QuantizedTensor, seed: int = 0) -> QuantizedTensor
     return weight
 
 
+def with_group_scales(weight: QuantizedTensor, group_size: int = 128, seed: int = 0) -> QuantizedTensor:
+    """The kind 4 weight with random AWQ / GPTQ-style scales: per group of inputs a float16 d and a zero point
+    0..16, w = (q - z) * d."""
+    g = torch.Generator().manual_seed(seed)
+    n, k = weight.shape
+    d = (torch.rand(n, k // group_size, generator=g) * 0.02 + 0.001).half()
+    zeros = torch.randint(0, 17, (n, k // group_size), generator=g).to(torch.uint8)
+    weight.group_scales = quant_gemm.GroupScales(d, zeros, group_size)
+    weight.scales = d.float().repeat_interleave(group_size // 32, dim=1)
+    weight.offsets = -(zeros.float() * d.float()).repeat_interleave(group_size // 32, dim=1)
+    return weight
+
+
 def pack(weight: QuantizedTensor, storage: str = "float16 scales") -> quant_gemm.QuantizedWeight:
+    if storage == "group scales":
+        weight = with_group_scales(weight)
+        return quant_gemm.QuantizedWeight.pack(weight.codes, weight.scales, weight.offsets, 4, "test",
+                                               group_scales=weight.group_scales)
     if storage == "super scales":
         weight = with_super_scales(weight)
         return quant_gemm.QuantizedWeight.pack(weight.codes, weight.scales, weight.offsets, weight.kind, "test",
@@ -92,11 +111,12 @@ def test_kernel_matches_its_reference(kind, storage, rows, dtype, isa):
 
 @pytest.mark.parametrize("kind, storage, bytes_per_weight", [
     (8, "float16 scales", 1.0625), (8, "float32 scales", 1.125), (4, "float16 scales", 0.625),
-    (4, "float32 scales", 0.75), (4, "symmetric", 0.5625), (4, "super scales", 0.578125), (6, "float16 scales", 0.875),
-    (6, "float32 scales", 1.0), (6, "super scales", 0.8203125)])
+    (4, "float32 scales", 0.75), (4, "symmetric", 0.5625), (4, "super scales", 0.578125), (4, "group scales", 0.5234375),
+    (6, "float16 scales", 0.875), (6, "float32 scales", 1.0), (6, "super scales", 0.8203125)])
 def test_packed_weights_take_what_their_scales_need(kind, storage, bytes_per_weight):
     """float16 scales make Q8_0, Q4_1 and Q4_0 (symmetric) weights as small in memory as in the GGUF file; super
-    scales Q6_K's (0.8203) and Q4_K's within 3% (0.5781 against 0.5625: a float16 Dmin and D per 16 columns)."""
+    scales Q6_K's (0.8203) and Q4_K's within 3% (0.5781 against 0.5625: a float16 Dmin and D per 16 columns);
+    group scales AWQ's groups of 128 within 1% (0.5234 against 0.5195: d float16 and z 4 bits per group)."""
     packed = pack(random_weight(64, 256, kind), storage)
     assert packed.nbytes == 64 * 256 * bytes_per_weight
 
@@ -122,15 +142,41 @@ def test_rows_of_a_packed_table_equal_the_dequantized_tables_rows(kind, storage,
     assert torch.equal(quant_gemm.rows(ids, packed, dtype), weight.dequantize().to(dtype)[ids])
 
 
+@pytest.mark.parametrize("group_size, k", [(32, 256), (64, 256), (96, 384), (128, 512), (576, 576)])
+def test_group_scales_give_the_per_32_float32_scales_results_bit_for_bit(group_size, k, isa):
+    """A float16 d and a zero point per group (m = -(z d) computed in the kernel, exact) instead of float32 d and m
+    per 32: the same outputs and rows. Groups that are not a power of two times 32 (96; 576: GPTQ's group_size -1
+    on 576 inputs) are stored once per the largest such span that divides them."""
+    weight = with_group_scales(random_weight(32, k, 4, seed=41), group_size, seed=42)
+    grouped = quant_gemm.QuantizedWeight.pack(weight.codes, weight.scales, weight.offsets, 4, "test",
+                                              group_scales=weight.group_scales)
+    plain = quant_gemm.QuantizedWeight.pack(weight.codes, weight.scales, weight.offsets, 4, "test", half_scales=False)
+    assert grouped.flags & quant_gemm.GROUP_SCALES and plain.flags == 0 and grouped.nbytes < plain.nbytes
+    for rows in (1, 4, 13):
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).bfloat16()
+        assert torch.equal(quant_gemm.linear(x, grouped), quant_gemm.linear(x, plain))
+    ids = torch.tensor([31, 0, 7])
+    assert torch.equal(quant_gemm.rows(ids, grouped, torch.float32), weight.dequantize()[ids])
+
+
+def test_group_scales_that_do_not_divide_the_inputs_are_refused():
+    weight = with_group_scales(random_weight(16, 256, 4), 128)
+    with pytest.raises(ValueError, match="scales per 128 inputs .*K a multiple of the group size"):
+        quant_gemm.QuantizedWeight.pack(weight.codes[:, :192], weight.scales[:, :6], weight.offsets[:, :6], 4, "test",
+                                        group_scales=quant_gemm.GroupScales(weight.group_scales.d[:, :1],
+                                                                            weight.group_scales.zeros[:, :1], 128))
+
+
 def test_rows_of_mixed_shards_and_ids_out_of_range():
-    shards = [random_weight(32, 256, 4, seed=22), random_weight(16, 256, 6, seed=23), random_weight(16, 256, 6, seed=24)]
+    shards = [random_weight(32, 256, 4, seed=22), random_weight(16, 256, 6, seed=23), random_weight(16, 256, 6, seed=24),
+              random_weight(16, 256, 4, seed=25)]
     joined = quant_gemm.QuantizedWeight.pack_shards([pack(shards[0]), pack(shards[1], "float32 scales"),
-                                                     pack(shards[2], "super scales")])
+                                                     pack(shards[2], "super scales"), pack(shards[3], "group scales")])
     table = torch.cat([w.dequantize() for w in shards])
-    ids = torch.arange(64).flip(0)
+    ids = torch.arange(80).flip(0)
     assert torch.equal(quant_gemm.rows(ids, joined, torch.float32), table[ids])
-    for bad in (64, -1):
-        with pytest.raises(IndexError, match="ids must lie in 0..63"):
+    for bad in (80, -1):
+        with pytest.raises(IndexError, match="ids must lie in 0..79"):
             quant_gemm.rows(torch.tensor([3, bad]), joined, torch.float32)
 
 
@@ -181,15 +227,17 @@ def test_shards_of_different_kinds_packed_together_give_each_shards_own_result(i
     """A fused linear of Q4_K q/k and a Q6_K v (Q4_K_M files) is packed as one weight of mixed column blocks:
     each shard's outputs are bit for bit those of the shard alone."""
     shards = [random_weight(32, 256, 4, seed=11), random_weight(16, 256, 6, seed=12), random_weight(48, 256, 8, seed=13),
-              with_super_scales(random_weight(16, 256, 4, seed=14)), with_super_scales(random_weight(32, 256, 6, seed=15))]
+              with_super_scales(random_weight(16, 256, 4, seed=14)), with_super_scales(random_weight(32, 256, 6, seed=15)),
+              with_group_scales(random_weight(16, 256, 4, seed=16), 64)]
     alone = [quant_gemm.QuantizedWeight.pack(w.codes, w.scales, w.offsets, w.kind, f"kind {w.kind}",
-                                             half_scales=w.kind != 6, super_scales=w.super_scales) for w in shards]
+                                             half_scales=w.kind != 6, super_scales=w.super_scales,
+                                             group_scales=w.group_scales) for w in shards]
     joined = quant_gemm.QuantizedWeight.pack_shards(alone)
-    assert joined.kind == quant_gemm.MIXED and joined.out_features == 144 and joined.source_type == "kind 4+kind 6+kind 8"
+    assert joined.kind == quant_gemm.MIXED and joined.out_features == 160 and joined.source_type == "kind 4+kind 6+kind 8"
     for rows in (1, 8, 11):
         x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows)).bfloat16()
-        bias = torch.randn(144).bfloat16()
-        expected = torch.cat([quant_gemm.linear(x, w, b) for w, b in zip(alone, bias.split([32, 16, 48, 16, 32]))], dim=1)
+        bias = torch.randn(160).bfloat16()
+        expected = torch.cat([quant_gemm.linear(x, w, b) for w, b in zip(alone, bias.split([32, 16, 48, 16, 32, 16]))], dim=1)
         assert torch.equal(quant_gemm.linear(x, joined, bias), expected)
 
 

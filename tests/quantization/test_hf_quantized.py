@@ -58,24 +58,35 @@ def pack_rows(values: torch.Tensor) -> torch.Tensor:
     return (words - ((words >> 31) & 1) * (1 << 32)).to(torch.int32)
 
 
+def _input_of(name: str) -> str:
+    """Linears that read the same input (q/k/v; gate/up) share it: GPTQ's act-order, from that input's Hessian,
+    orders their inputs alike."""
+    for shared, members in (("attention-input", ("q_proj", "k_proj", "v_proj")), ("mlp-input", ("gate_proj", "up_proj"))):
+        if any(f".{m}." in name for m in members):
+            return name.split(".self_attn.")[0].split(".mlp.")[0] + shared
+    return name
+
+
 def write_checkpoint(source: str, target, method: str, desc_act: bool = False, group: int = 32,
-                     seed: int = 0) -> tuple[str, str]:
+                     seed: int = 0, shared_orders: bool = True) -> tuple[str, str]:
     """The tiny model quantized as `method` in groups of `group` inputs, and beside it a float checkpoint of the
-    dequantized weights."""
-    quantized_dir = target / f"{method}-{desc_act}-{group}"
-    dequantized_dir = target / f"{method}-{desc_act}-{group}-float"
+    dequantized weights. shared_orders=False: act-order gives every linear an order of its own."""
+    quantized_dir = target / f"{method}-{desc_act}-{group}-{shared_orders}"
+    dequantized_dir = target / f"{method}-{desc_act}-{group}-{shared_orders}-float"
     for d in (quantized_dir, dequantized_dir):
         shutil.copytree(source, d)
     tensors = load_file(f"{source}/model.safetensors")
     quantized, dequantized = {}, {}
     g = torch.Generator().manual_seed(seed)
+    orders = {}
     for name, w in tensors.items():
         prefix, _, _ = name.rpartition(".")
         if not any(f".{linear}." in name for linear in LINEARS):
             quantized[name] = dequantized[name] = w
             continue
         inputs = w.shape[1]
-        order = torch.randperm(inputs, generator=g) if desc_act else torch.arange(inputs)
+        key = _input_of(name) if shared_orders else name
+        order = orders.setdefault(key, torch.randperm(inputs, generator=g) if desc_act else torch.arange(inputs))
         group_of = torch.empty(inputs, dtype=torch.int64)
         group_of[order] = torch.arange(inputs) // group  # act-order: the k-th input processed is in group k // 32
         codes, zeros, scales, w_hat = quantize_4bit(w.float(), group_of)
@@ -213,3 +224,48 @@ def test_all_zero_biases_of_bias_free_layers_are_skipped(checkpoints, tmp_path):
     save_file(tensors, f"{folder}/model.safetensors")
     with pytest.raises(ValueError, match="q_proj.bias' has no matching parameter"):
         LLM(str(folder), **common)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-desc_act={c[1]}-group={c[2]}")
+def test_resident_weights_are_within_10_percent_of_the_checkpoints_tensors(checkpoints, case):
+    """Each linear keeps one float16 scale and zero point per group, as the checkpoint's scales and qzeros do,
+    beside its 4-bit codes (and act-order's input order, as its g_idx)."""
+    from pagedserve.kernels import quant_gemm
+
+    quantized_dir, _ = checkpoints[case]
+    llm = LLM(quantized_dir, dtype="float32", kv_cache_memory_bytes=1 << 22, skip_tokenizer_init=True, device="cpu")
+    tensors = load_file(f"{quantized_dir}/model.safetensors")
+    file_bytes = sum(t.numel() * t.element_size() for name, t in tensors.items()
+                     if name.rsplit(".", 1)[-1] in ("qweight", "qzeros", "scales", "g_idx"))
+    modules = [m for m in llm.engine.runner.model.modules() if getattr(m, "quantized", None) is not None]
+    assert len(modules) == 2 * 4  # fused qkv and gate_up, o_proj, down_proj per layer
+    assert all(m.quantized.flags & quant_gemm.GROUP_SCALES for m in modules)
+    resident = sum(m.quantized.nbytes + (0 if m.input_order is None else m.input_order.numel() * 4) for m in modules)
+    assert resident <= 1.1 * file_bytes, (resident, file_bytes)
+
+
+def test_scales_float16_cannot_hold_are_kept_per_32_in_float32():
+    from pagedserve.quantization.hf_quantized import QuantizationConfig, to_quantized_tensor
+
+    config = QuantizationConfig.from_hf({"quant_method": "awq", "bits": 4, "group_size": 64})
+    scales = torch.full((1, 16), 1 / 3)  # float32, not a float16 value
+    tensors = {"qweight": torch.full((64, 2), 0x11111111, dtype=torch.int32),
+               "qzeros": torch.zeros(1, 2, dtype=torch.int32), "scales": scales}
+    kept = to_quantized_tensor("w", tensors, config)
+    assert kept.group_scales is None and torch.equal(kept.dequantize(), torch.full((16, 64), 1 / 3))
+    tensors["scales"] = scales.half()
+    assert to_quantized_tensor("w", tensors, config).group_scales.group_size == 64
+
+
+def test_fused_shards_whose_act_orders_differ_are_dequantized_and_still_right(tiny_llama_dir, tmp_path):
+    quantized_dir, dequantized_dir = write_checkpoint(tiny_llama_dir, tmp_path, "gptq", True, 32, shared_orders=False)
+    common = dict(dtype="float32", kv_cache_memory_bytes=1 << 22, skip_tokenizer_init=True, device="cpu")
+    llm = LLM(quantized_dir, **common)
+    layer = llm.engine.runner.model.model.layers[0]
+    assert layer.self_attn.qkv_proj.quantized is None and layer.self_attn.o_proj.quantized is not None
+    params = SamplingParams(temperature=0, max_tokens=1, logprobs=5)
+    ours = llm.generate(prompts(), params, use_tqdm=False)
+    same_values = LLM(dequantized_dir, **common).generate(prompts(), params, use_tqdm=False)
+    for a, b in zip(ours, same_values):
+        token = b.outputs[0].token_ids[0]
+        assert abs(a.outputs[0].logprobs[0][token].logprob - b.outputs[0].logprobs[0][token].logprob) < 0.05

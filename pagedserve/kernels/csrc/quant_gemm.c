@@ -10,7 +10,9 @@
  * one exactly: Q8_0, Q4_0, Q4_1); SYMMETRIC (32, kind 4 only): m = -8d, not stored (Q4_0, GPTQ's zero point 8);
  * SUPER_SCALES (64, kinds 4 and 6: Q4_K, Q6_K, whose groups need K % 256 == 0): as the file holds them, 8-bit
  * multiples of float16 factors per super-block of 256 k: d = D * sc, m = -(Dmin * mn) (kind 4: sc, mn 0..63),
- * d_h = sc_h * D (kind 6: sc_h int8), each product exact in float32.
+ * d_h = sc_h * D (kind 6: sc_h int8), each product exact in float32; GROUP_SCALES (128, kind 4: AWQ, GPTQ), a
+ * float16 d and an integer zero point z (0..255) per scale group of 2^span groups (span: the kind's bits 8-11),
+ * m = -(z * d), exact in float32 (z <= 16: 16 significant bits).
  * pack_weight lays a weight out once in records, one per (block of 16 columns, group of 32 k), front to back:
  *   codes: kind 8: [8 quads][16 columns][4 k] bytes holding q + 128 (512 bytes); kinds 4 and 6: [4][16][4] bytes
  *          whose low nibbles hold (the low 4 bits of) quad j and high nibbles quad j + 4 (256 bytes); kind 6
@@ -18,10 +20,12 @@
  *          0, 2, 4, 6 (128 bytes)
  *   scale vectors of 16 (float32, or float16 with HALF_SCALES): kind 8: d; kind 4: d, m (d alone if SYMMETRIC);
  *   kind 6: d_0, d_1; with SUPER_SCALES 16 bytes each of sc and mn (kind 4) or sc_0 and sc_1 (kind 6), and after
- *   a column block's records, per super-block: D[16] and Dmin[16] float16 (kind 4), D[16] (kind 6)
+ *   a column block's records, per super-block: D[16] and Dmin[16] float16 (kind 4), D[16] (kind 6); with
+ *   GROUP_SCALES none, and after the block's records, per scale group: d[16] float16 and z[16] bytes
  * so a record is 576 / 544 bytes (kind 8: 1.125 / 1.0625 bytes a weight, float32 / float16 scales), 384 / 320
  * (kind 4; 352 / 288 symmetric: down to Q4_0's 0.5625; 288 + 64 per 8 with super scales: 0.578, Q4_K's file
- * 0.5625) or 512 / 448 (kind 6; 416 + 32 per 8 with super scales: 0.82, as Q6_K's file).
+ * 0.5625; 256 + 48 per 2^span with group scales: 0.523 for AWQ's groups of 128, whose file takes 0.520) or 512 /
+ * 448 (kind 6; 416 + 32 per 8 with super scales: 0.82, as Q6_K's file).
  * Kind 1 (mixed) is a fused linear whose shards have different kinds (Q4_K_M files: Q4_K q/k, Q6_K v): its
  * data starts with a table of 2 int64 per block of 16 columns (the byte offset of its first record in the
  * data, and its kind with flags), then each shard packed as above.
@@ -59,7 +63,9 @@
 #define HALF_SCALES 16
 #define SYMMETRIC 32
 #define SUPER_SCALES 64
-#define SUPER 8 /* groups of 32 per super-block */
+#define SUPER_SHIFT 3 /* 2^3 groups of 32 per super-block */
+#define GROUP_SCALES 128
+#define SPAN_SHIFT 8 /* GROUP_SCALES: log2 of the groups per scale group, in bits 8-11 of the kind */
 
 static inline int base_kind(int kind) { return kind & 15; }
 static inline int scale_bytes(int kind) { return kind & HALF_SCALES ? 2 : 4; }
@@ -69,23 +75,30 @@ static inline int scale_vectors(int kind) {
     return base_kind(kind) == 8 || (kind & SYMMETRIC) ? 1 : 2;
 }
 static inline int64_t record_bytes(int kind) {
+    if (kind & GROUP_SCALES) return code_bytes(kind);
     return code_bytes(kind) + (kind & SUPER_SCALES ? 2 * COLS : scale_vectors(kind) * COLS * scale_bytes(kind));
 }
-/* Bytes of float16 factors per super-block after a column block's records (SUPER_SCALES only). */
+/* Scales kept after a column block's records, one set per 2^factor_shift groups (SUPER_SCALES: float16 factors
+ * per super-block; GROUP_SCALES: d and z per scale group): their shift and bytes (0 without). */
+static inline int factor_shift(int kind) {
+    return kind & SUPER_SCALES ? SUPER_SHIFT : kind & GROUP_SCALES ? (kind >> SPAN_SHIFT) & 15 : 0;
+}
 static inline int64_t factor_bytes(int kind) {
+    if (kind & GROUP_SCALES) return 3 * COLS;
     return kind & SUPER_SCALES ? (base_kind(kind) == 4 ? 2 : 1) * COLS * 2 : 0;
 }
-/* A column block's bytes: its records, then (SUPER_SCALES) its factors. */
+/* A column block's bytes: its records, then their factors. */
 static inline int64_t block_bytes(int64_t groups, int kind) {
-    return groups * record_bytes(kind) + (groups / SUPER) * factor_bytes(kind);
+    return groups * record_bytes(kind) + (groups >> factor_shift(kind)) * factor_bytes(kind);
 }
 static inline int known_kind(int kind) {
     const int base = base_kind(kind);
     if (kind & SUPER_SCALES) return (kind == (4 | SUPER_SCALES) || kind == (6 | SUPER_SCALES));
+    if (kind & GROUP_SCALES) return (kind & ~(15 << SPAN_SHIFT)) == (4 | GROUP_SCALES);
     return (base == 8 || base == 4 || base == 6) && !(kind & ~(15 | HALF_SCALES | SYMMETRIC))
            && (!(kind & SYMMETRIC) || base == 4);
 }
-static inline int takes_k(int64_t k, int kind) { return k % GROUP == 0 && (!(kind & SUPER_SCALES) || k % (SUPER * GROUP) == 0); }
+static inline int takes_k(int64_t k, int kind) { return k % ((int64_t)GROUP << factor_shift(kind)) == 0; }
 
 /* float16 bits -> float32 (exact). */
 static inline float f16_to_f32(uint16_t h) {
@@ -110,16 +123,24 @@ static inline float f16_at(const uint8_t *p, int64_t i) {
     return f16_to_f32(h);
 }
 
-/* Record g of a column block (recs: its first) and, with SUPER_SCALES, its super-block's factors. */
+/* Record g of a column block (recs: its first) and, with SUPER_SCALES or GROUP_SCALES, its factors. */
 static inline const uint8_t *record_at(const uint8_t *recs, int64_t g, int kind) { return recs + g * record_bytes(kind); }
 static inline const uint8_t *factors_at(const uint8_t *recs, int64_t g, int64_t groups, int kind) {
-    return recs + groups * record_bytes(kind) + (g / SUPER) * factor_bytes(kind);
+    return recs + groups * record_bytes(kind) + (g >> factor_shift(kind)) * factor_bytes(kind);
 }
 
 /* Record g's scales as float32: sv[0] = d (kind 6: d_0), sv[1] = its aux: m, -8d (symmetric), -128d (kind 8),
  * or kind 6's d_1. */
 static inline void record_scales(const uint8_t *recs, int64_t g, int64_t groups, int kind, float sv[2][COLS]) {
     const uint8_t *rec = record_at(recs, g, kind), *p = rec + code_bytes(kind);
+    if (kind & GROUP_SCALES) { /* d, and m = -(z * d) */
+        const uint8_t *f = factors_at(recs, g, groups, kind);
+        for (int64_t c = 0; c < COLS; ++c) {
+            sv[0][c] = f16_at(f, c);
+            sv[1][c] = -((float)f[2 * COLS + c] * sv[0][c]);
+        }
+        return;
+    }
     if (kind & SUPER_SCALES) {
         const uint8_t *f = factors_at(recs, g, groups, kind);
         for (int64_t c = 0; c < COLS; ++c) {
@@ -190,11 +211,12 @@ static inline void pack_codes(uint8_t *rec, const uint8_t *q, int64_t c, int bas
 /* codes [n, k] (int8 for kind 8, 0..15 for kind 4, 0..63 for kind 6) and their scales -> records (layout above).
  * Scales: d [n, k / 32] (kind 6: [n, k / 16]) and m [n, k / 32] (kind 4 unless symmetric; else unread), float16
  * bits with HALF_SCALES, else float32. With SUPER_SCALES: d = D and m = Dmin [n, k / 256] float16 bits, sc and mn
- * [n, k / 32] uint8 (kind 4), or sc [n, k / 16] int8 (kind 6; mn unread). */
+ * [n, k / 32] uint8 (kind 4), or sc [n, k / 16] int8 (kind 6; mn unread). With GROUP_SCALES: d [n, k / (32 * 2^span)]
+ * float16 bits and the zero points mn [n, k / (32 * 2^span)] uint8 (m, sc unread). */
 int pack_weight(const uint8_t *codes, const void *d, const void *m, const uint8_t *sc, const uint8_t *mn,
                 uint8_t *packed, int64_t n, int64_t k, int kind) {
     if (n % COLS || !takes_k(k, kind) || !known_kind(kind)) return 1;
-    const int64_t groups = k / GROUP, sb = scale_bytes(kind), supers = groups / SUPER;
+    const int64_t groups = k / GROUP, sb = scale_bytes(kind), supers = groups >> factor_shift(kind);
     const int base = base_kind(kind), per = base == 6 ? 2 : 1; /* scales per group */
     memset(packed, 0, (size_t)packed_bytes(n, k, kind)); /* kinds 4 and 6 OR their bit fields in */
 #pragma omp parallel for schedule(static)
@@ -205,12 +227,19 @@ int pack_weight(const uint8_t *codes, const void *d, const void *m, const uint8_
             for (int64_t c = 0; c < COLS; ++c) {
                 const int64_t col = nb * COLS + c;
                 pack_codes(rec, codes + col * k + g * GROUP, c, base);
+                if (kind & GROUP_SCALES) { /* each scale group's d and z after the block's records */
+                    uint8_t *f = (uint8_t *)factors_at(recs, g, groups, kind);
+                    const int64_t at = col * supers + (g >> factor_shift(kind));
+                    memcpy(f + 2 * c, (const uint8_t *)d + 2 * at, 2);
+                    f[2 * COLS + c] = mn[at];
+                    continue;
+                }
                 if (kind & SUPER_SCALES) { /* the 8-bit multiples here, the factors after the block's records */
                     scales[c] = sc[col * per * groups + per * g];
                     scales[COLS + c] = base == 6 ? sc[col * per * groups + per * g + 1] : mn[col * groups + g];
                     uint8_t *f = (uint8_t *)factors_at(recs, g, groups, kind);
-                    memcpy(f + 2 * c, (const uint8_t *)d + 2 * (col * supers + g / SUPER), 2);
-                    if (base == 4) memcpy(f + 2 * (COLS + c), (const uint8_t *)m + 2 * (col * supers + g / SUPER), 2);
+                    memcpy(f + 2 * c, (const uint8_t *)d + 2 * (col * supers + (g >> SUPER_SHIFT)), 2);
+                    if (base == 4) memcpy(f + 2 * (COLS + c), (const uint8_t *)m + 2 * (col * supers + (g >> SUPER_SHIFT)), 2);
                     continue;
                 }
                 /* scale vector v's column c <- element at[v] of d or m */
@@ -358,6 +387,13 @@ static inline __attribute__((always_inline)) __m512 f16_vector(const uint8_t *p)
 static inline __attribute__((always_inline)) void scale_vectors_of(const uint8_t *recs, int64_t g, int64_t groups,
                                                                   const int kind, __m512 sv[2]) {
     const uint8_t *p = record_at(recs, g, kind) + code_bytes(kind);
+    if (kind & GROUP_SCALES) { /* d, and m = -(z * d) */
+        const uint8_t *f = factors_at(recs, g, groups, kind);
+        sv[0] = f16_vector(f);
+        const __m512 zd = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(f + 2 * COLS)))), sv[0]);
+        sv[1] = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(zd), _mm512_set1_epi32(INT32_MIN)));
+        return;
+    }
     if (kind & SUPER_SCALES) {
         const uint8_t *f = factors_at(recs, g, groups, kind);
         const __m128i lo = _mm_loadu_si128((const __m128i *)p), hi = _mm_loadu_si128((const __m128i *)(p + COLS));
@@ -518,6 +554,13 @@ static inline __m256 f16x8(const uint8_t *p) { return _mm256_cvtph_ps(_mm_loadu_
 static inline __attribute__((always_inline)) void half_scales_of(const uint8_t *recs, int64_t g, int64_t groups,
                                                                 const int kind, int ch, __m256 sv[2]) {
     const uint8_t *p = record_at(recs, g, kind) + code_bytes(kind);
+    if (kind & GROUP_SCALES) { /* d, and m = -(z * d) */
+        const uint8_t *f = factors_at(recs, g, groups, kind);
+        sv[0] = f16x8(f + 16 * ch);
+        const __m128i z = _mm_loadl_epi64((const __m128i *)(f + 2 * COLS + 8 * ch));
+        sv[1] = _mm256_xor_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(z)), sv[0]), _mm256_set1_ps(-0.f));
+        return;
+    }
     if (kind & SUPER_SCALES) {
         const uint8_t *f = factors_at(recs, g, groups, kind);
         const __m128i lo = _mm_loadl_epi64((const __m128i *)(p + 8 * ch));
@@ -629,7 +672,7 @@ int quant_gemm(const void *x, const uint8_t *packed, const void *bias, void *y, 
             const int64_t rows = m - r0 < INT8_ROWS ? m - r0 : INT8_ROWS;
             int block_kind;
             const uint8_t *recs = block_records(packed, nb, k / GROUP, kind, &block_kind);
-            switch (block_kind) { /* each kind and flags a specialized copy */
+            switch (block_kind & 255) { /* each kind and flags a specialized copy (the span stays a variable) */
             case 8: BLOCK_CALL(8); break;
             case 8 | HALF_SCALES: BLOCK_CALL(8 | HALF_SCALES); break;
             case 6: BLOCK_CALL(6); break;
@@ -639,6 +682,7 @@ int quant_gemm(const void *x, const uint8_t *packed, const void *bias, void *y, 
             case 4 | HALF_SCALES: BLOCK_CALL(4 | HALF_SCALES); break;
             case 4 | SYMMETRIC: BLOCK_CALL(4 | SYMMETRIC); break;
             case 4 | SUPER_SCALES: BLOCK_CALL(4 | SUPER_SCALES); break;
+            case 4 | GROUP_SCALES: BLOCK_CALL((4 | GROUP_SCALES) | (block_kind & ~255)); break;
             default: BLOCK_CALL(4 | SYMMETRIC | HALF_SCALES); break;
             }
         }
