@@ -57,18 +57,11 @@ def weight_bytes(engine: LLMEngine) -> int:
     return dense + kept + sum(p.data.numel() * p.data.element_size() for p in packed if p is not None)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--w1-requests", type=int, default=256)
-    args = parser.parse_args()
-    folder = tempfile.mkdtemp()
-    cases = [("float weights", default_model_path(), None), ("Q4_1 (the file), kept", default_model_path(), "gguf"),
-             ("Q8_0, kept", requantized("Q8_0", folder), "gguf"), ("Q4_0, kept", requantized("Q4_0", folder), "gguf"),
-             ("Q4_0 + Q6_K down, kept", requantized("Q4_0", folder, {"ffn_down": "Q6_K"}), "gguf")]
+def compare(cases: list[tuple[str, str, str | None, int]], args) -> None:
+    """Each case (name, model path, quantization, file bytes) as a W1 engine and a concurrency-16 engine,
+    measured interleaved --repeats times; a table of the medians against the first case."""
     engines, info = {}, {}
-    for name, path, quantization in cases:
+    for name, path, quantization, file_bytes in cases:
         # The KV cache is committed at start, so each of the engines gets what its batch needs (about 23 KiB a
         # token in bf16), not one size for all: 10 engines of 2 GiB did not fit in 24 GB.
         common = dict(model=path, dtype=args.dtype, quantization=quantization, max_model_len=256 + 16,
@@ -77,7 +70,7 @@ def main() -> None:
         w1 = LLMEngine.from_kwargs(**common, max_num_seqs=256, kv_cache_memory_bytes=(args.w1_requests * 8) << 20)
         load = time.perf_counter() - start
         engines[name] = (w1, LLMEngine.from_kwargs(**common, max_num_seqs=16, kv_cache_memory_bytes=256 << 20))
-        info[name] = (os.path.getsize(path), weight_bytes(w1), load)
+        info[name] = (file_bytes, weight_bytes(w1), load)
         for engine in engines[name]:
             warm_up(engine, [])
     shape = dict(input_len=128, output_len=128)
@@ -104,6 +97,23 @@ def main() -> None:
               f"{w1 / base[0]:.3f}x | {tpot:.1f} | {base[1] / tpot:.2f}x faster |")
     print("\nW1 runs:", {name: [round(r["output_tok_s"], 1) for r in runs[name]["w1"]] for name, *_ in cases})
     print("c16 TPOT runs:", {name: [round(r["tpot_ms"], 1) for r in runs[name]["c16"]] for name, *_ in cases})
+
+
+def arguments(description: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--w1-requests", type=int, default=256)
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = arguments(__doc__.split("\n")[0])
+    folder = tempfile.mkdtemp()
+    cases = [("float weights", default_model_path(), None), ("Q4_1 (the file), kept", default_model_path(), "gguf"),
+             ("Q8_0, kept", requantized("Q8_0", folder), "gguf"), ("Q4_0, kept", requantized("Q4_0", folder), "gguf"),
+             ("Q4_0 + Q6_K down, kept", requantized("Q4_0", folder, {"ffn_down": "Q6_K"}), "gguf")]
+    compare([(name, path, quantization, os.path.getsize(path)) for name, path, quantization in cases], args)
 
 
 if __name__ == "__main__":
