@@ -39,7 +39,7 @@ class _Kernels(ctypes.Structure):
 class _Layer(ctypes.Structure):
     _fields_ = [(name, _P) for name in ("input_norm", "post_norm", "qkv", "qkv_bias", "o", "o_bias", "gate_up",
                                         "gate_up_bias", "down", "down_bias", "key_cache", "value_cache",
-                                        "key_scale", "value_scale")] + [("kinds", _I64 * 4)]
+                                        "key_scale", "value_scale")] + [("kinds", _I64 * 4), ("orders", _P * 4)]
 
 
 class _Shape(ctypes.Structure):
@@ -106,7 +106,6 @@ class DecodeLayers:
                 or not fused_ops.fuses_rotary(probe)
                 or not cpu_decode.supports(probe.view(1, attn.num_heads, attn.head_dim), attn.key_cache)
                 or any(lin.packed is None and lin.quantized is None for layer in layers for lin in _linears(layer))
-                or any(lin.input_order is not None for layer in layers for lin in _linears(layer))
                 or (any(lin.quantized is not None for layer in layers for lin in _linears(layer))
                     and not quant_gemm.available())):
             return None
@@ -188,7 +187,8 @@ def _layer_struct(layer) -> _Layer:
                   qkv, _ptr(attn.qkv_proj.bias), o, _ptr(attn.o_proj.bias), gate_up, _ptr(mlp.gate_up_proj.bias),
                   down, _ptr(mlp.down_proj.bias), _ptr(attn.key_cache), _ptr(attn.value_cache),
                   *(_ptr(s) for s in attn.kv_scales or (None, None)),
-                  (_I64 * 4)(qkv_kind, o_kind, gate_up_kind, down_kind))
+                  (_I64 * 4)(qkv_kind, o_kind, gate_up_kind, down_kind),
+                  (_P * 4)(*(_ptr(lin.input_order) for lin in _linears(layer))))
 
 
 def _takes_cache(dtype: torch.dtype) -> bool:

@@ -46,7 +46,7 @@ def _lib() -> Optional[ctypes.CDLL]:
         library.pack_weight.argtypes = [_P, _P, _P, _P, _P, _P, _I64, _I64, _INT]
         library.packed_bytes.argtypes = [_I64, _I64, _INT]
         library.packed_bytes.restype = _I64
-        library.quant_gemm.argtypes = [_P, _P, _P, _P, _I64, _I64, _I64, _INT, _INT, _INT]
+        library.quant_gemm.argtypes = [_P, _P, _P, _P, _I64, _I64, _I64, _INT, _INT, _INT, _P]
         library.dequantize_rows.argtypes = [_P, _P, _I64, _P, _I64, _I64, _INT, _INT, _INT]
         for function in (library.pack_weight, library.quant_gemm, library.int8_path, library.dequantize_rows):
             function.restype = _INT
@@ -253,8 +253,11 @@ class QuantizedWeight:
         return QuantizedWeight(data, MIXED, n, k, "+".join(dict.fromkeys(s.source_type for s in shards)))
 
 
-def linear(x: torch.Tensor, weight: QuantizedWeight, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """x [M, K] float32 or bf16 -> [M, N] of the same dtype (float32 sums, bias added before rounding)."""
+def linear(x: torch.Tensor, weight: QuantizedWeight, bias: Optional[torch.Tensor] = None,
+           input_order: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x [M, K] float32 or bf16 -> [M, N] of the same dtype (float32 sums, bias added before rounding).
+    input_order (int64 [K], a permutation): the weight's inputs are x's columns in that order (GPTQ act-order);
+    the kernel gathers them."""
     if x.dtype not in _DTYPES or x.device.type != "cpu" or x.shape[-1] != weight.in_features:
         raise ValueError(f"quantized linear takes CPU float32 or bfloat16 activations of {weight.in_features} "
                          f"features, got {x.dtype} {tuple(x.shape)} on {x.device.type}")
@@ -263,9 +266,14 @@ def linear(x: torch.Tensor, weight: QuantizedWeight, bias: Optional[torch.Tensor
     y = torch.empty(m, weight.out_features, dtype=x.dtype)
     if bias is not None:
         bias = bias.detach().to(x.dtype).contiguous()
+    if input_order is not None:
+        if tuple(input_order.shape) != (weight.in_features,):
+            raise ValueError(f"input_order has shape {tuple(input_order.shape)}, expected ({weight.in_features},)")
+        input_order = input_order.to(torch.int64).contiguous()
     status = _lib().quant_gemm(x.data_ptr(), weight.data.data_ptr(), None if bias is None else bias.data_ptr(),
                                y.data_ptr(), m, weight.out_features, weight.in_features, weight.kernel_kind,
-                               _DTYPES[x.dtype], torch.get_num_threads())
+                               _DTYPES[x.dtype], torch.get_num_threads(),
+                               None if input_order is None else input_order.data_ptr())
     if status != 0:
         raise RuntimeError(f"quant_gemm failed (status {status})")
     return y

@@ -44,9 +44,7 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quantized is not None:
             rows = x.reshape(-1, x.shape[-1])
-            if self.input_order is not None:
-                rows = rows.index_select(1, self.input_order)
-            out = quant_gemm.linear(rows, self.quantized, self.bias).view(*x.shape[:-1], -1)
+            out = quant_gemm.linear(rows, self.quantized, self.bias, self.input_order).view(*x.shape[:-1], -1)
         elif self.packed is not None and x.dim() == 2 and x.shape[0] <= skinny_gemm.MAX_ROWS:
             out = skinny_gemm.linear(x, self.packed, self.bias)
         else:

@@ -159,6 +159,20 @@ def test_group_scales_give_the_per_32_float32_scales_results_bit_for_bit(group_s
     assert torch.equal(quant_gemm.rows(ids, grouped, torch.float32), weight.dequantize()[ids])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_an_input_order_gives_the_result_of_the_gathered_input(dtype, isa):
+    """GPTQ act-order: the kernel takes x's columns in the weight's input order itself, bit for bit what a
+    gathered copy of x gives."""
+    weight = with_group_scales(random_weight(32, 256, 4, seed=51), 64, seed=52)
+    packed = pack(weight, "float16 scales")
+    order = torch.randperm(256, generator=torch.Generator().manual_seed(53))
+    for rows in (1, 9):
+        x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows)).to(dtype)
+        assert torch.equal(quant_gemm.linear(x, packed, input_order=order), quant_gemm.linear(x[:, order], packed))
+    with pytest.raises(ValueError, match="input_order has shape \\(255,\\), expected \\(256,\\)"):
+        quant_gemm.linear(x, packed, input_order=order[:255])
+
+
 def test_group_scales_that_do_not_divide_the_inputs_are_refused():
     weight = with_group_scales(random_weight(16, 256, 4), 128)
     with pytest.raises(ValueError, match="scales per 128 inputs .*K a multiple of the group size"):

@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import assert_no_leaked_blocks
+from conftest import assert_c_decode_loop_matches_python_layers, assert_no_leaked_blocks
 from pagedserve import LLM, SamplingParams
 from pagedserve.loader.safetensors import HFFolderCheckpoint
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ's GEMM packing, written out here rather than imported
@@ -269,3 +269,15 @@ def test_fused_shards_whose_act_orders_differ_are_dequantized_and_still_right(ti
     for a, b in zip(ours, same_values):
         token = b.outputs[0].token_ids[0]
         assert abs(a.outputs[0].logprobs[0][token].logprob - b.outputs[0].logprobs[0][token].logprob) < 0.05
+
+
+def test_act_order_layers_run_in_the_one_call_c_decode_loop_with_the_python_layers_tokens(checkpoints):
+    """Each act-order linear hands its input order to the kernel, which gathers x itself, in the C decode loop
+    as on the Python path."""
+    quantized_dir, _ = checkpoints[("gptq", True, 32)]
+    llm = LLM(quantized_dir, dtype="bfloat16", kv_cache_memory_bytes=1 << 22, skip_tokenizer_init=True, device="cpu")
+    model = llm.engine.runner.model
+    if model._decode_layers is None:
+        pytest.skip("no C decode loop here (it needs the bf16 small-batch kernel: not on the generic level)")
+    assert model.model.layers[0].self_attn.qkv_proj.input_order is not None
+    assert_c_decode_loop_matches_python_layers(llm, prompts(), SamplingParams(temperature=0, max_tokens=6, logprobs=1))

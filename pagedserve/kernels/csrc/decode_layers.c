@@ -37,7 +37,7 @@ typedef int (*swiglu_fn)(const void *gate_up, void *out, int64_t rows, int64_t d
 typedef int (*gemm_accumulate_fn)(const uint16_t *x, const uint16_t *packed, uint16_t *y, int64_t m, int64_t n,
                                   int64_t k, int threads);
 typedef int (*quant_gemm_fn)(const void *x, const uint8_t *packed, const void *bias, void *y, int64_t m, int64_t n,
-                             int64_t k, int kind, int bf16, int threads);
+                             int64_t k, int kind, int bf16, int threads, const int64_t *order);
 
 typedef struct {
     rms_norm_fn rms_norm;
@@ -56,6 +56,7 @@ typedef struct { /* one layer's weights (packed for the gemm; biases NULL when a
     void *key_cache, *value_cache;
     uint16_t *key_scale, *value_scale;
     int64_t kinds[4]; /* qkv, o, gate_up, down: 0 bf16 packed for the gemm, else quant_gemm's kind (with flags) */
+    const int64_t *orders[4]; /* block-quantized from GPTQ act-order: the order of the inputs, else NULL */
 } Layer;
 
 typedef struct {
@@ -116,8 +117,8 @@ static int add_lora(const Kernels *k, const LinearLoRA *l, const Step *st, const
 /* The base matmul y = x W^T (+ b), then the LoRA deltas when the step has any (lora: this linear's slots).
  * kind 0: w is bf16 packed for the gemm; else block-quantized for quant_gemm. */
 static int linear(const Kernels *k, const Step *st, const LinearLoRA *lora, const uint16_t *x, const void *w,
-                  const void *bias, uint16_t *y, int64_t n, int64_t in, int64_t kind) {
-    const int status = kind ? k->quant_gemm(x, w, bias, y, st->rows, n, in, (int)kind, 1, st->threads)
+                  const void *bias, uint16_t *y, int64_t n, int64_t in, int64_t kind, const int64_t *order) {
+    const int status = kind ? k->quant_gemm(x, w, bias, y, st->rows, n, in, (int)kind, 1, st->threads, order)
                             : k->gemm(x, w, bias, y, st->rows, n, in, st->threads);
     return status || !lora ? status : add_lora(k, lora, st, x, y, n, in);
 }
@@ -135,7 +136,8 @@ static int layer(const Kernels *k, const Layer *w, const LayerLoRA *lora, const 
     } else {
         status = k->rms_norm(st->hidden, st->residual, w->input_norm, h, m, s->hidden, s->eps, 1, t);
     }
-    if (status || (status = linear(k, st, lora ? &lora->qkv : NULL, h, w->qkv, w->qkv_bias, qkv, qkv_size, s->hidden, w->kinds[0])))
+    if (status || (status = linear(k, st, lora ? &lora->qkv : NULL, h, w->qkv, w->qkv_bias, qkv, qkv_size, s->hidden, w->kinds[0],
+                                  w->orders[0])))
         return status;
     status = k->rotary(qkv, qkv_size, st->positions, st->cos_table, st->sin_table, w->key_cache, w->value_cache,
                        w->key_scale, w->value_scale, st->slots, m, s->heads, s->kv_heads, s->head_dim,
@@ -146,15 +148,16 @@ static int layer(const Kernels *k, const Layer *w, const LayerLoRA *lora, const 
     status = k->attention(q, w->key_cache, w->value_cache, w->key_scale, w->value_scale, st->block_tables,
                           st->context_lens, attn, m, s->heads, s->kv_heads, s->head_dim, s->block_size,
                           st->max_blocks, s->scale, t);
-    if (status || (status = linear(k, st, lora ? &lora->o : NULL, attn, w->o, w->o_bias, st->hidden, s->hidden, q_size, w->kinds[1])))
+    if (status || (status = linear(k, st, lora ? &lora->o : NULL, attn, w->o, w->o_bias, st->hidden, s->hidden, q_size, w->kinds[1],
+                                  w->orders[1])))
         return status;
     if ((status = k->rms_norm(st->hidden, st->residual, w->post_norm, h, m, s->hidden, s->eps, 1, t))) return status;
     if ((status = linear(k, st, lora ? &lora->gate_up : NULL, h, w->gate_up, w->gate_up_bias, gate_up,
-                         2 * s->intermediate, s->hidden, w->kinds[2])))
+                         2 * s->intermediate, s->hidden, w->kinds[2], w->orders[2])))
         return status;
     if ((status = k->swiglu(gate_up, act, m, s->intermediate, 1, t))) return status;
     return linear(k, st, lora ? &lora->down : NULL, act, w->down, w->down_bias, st->hidden, s->hidden, s->intermediate,
-                  w->kinds[3]);
+                  w->kinds[3], w->orders[3]);
 }
 
 /* Returns 0, or 100 * (layer + 1) + the failing kernel's status. */

@@ -314,6 +314,23 @@ int dequantize_rows(const uint8_t *packed, const int64_t *ids, int64_t count, vo
     return 0;
 }
 
+/* x [m, k] (bf16 or f32) with its columns in `order` (GPTQ act-order: the order of the weight's inputs) into a
+ * new array, x[r][order[i]] at [r][i]; NULL when out of memory. */
+static void *gather_columns(const void *x, const int64_t *order, int64_t m, int64_t k, int bf16, int threads) {
+    const size_t size = bf16 ? 2 : 4;
+    uint8_t *out = malloc(size * (size_t)(m * k));
+    if (!out) return NULL;
+#pragma omp parallel for num_threads(m * k >= 65536 ? threads : 1) schedule(static)
+    for (int64_t r = 0; r < m; ++r)
+        for (int64_t i = 0; i < k; ++i) {
+            if (bf16)
+                ((uint16_t *)out)[r * k + i] = ((const uint16_t *)x)[r * k + order[i]];
+            else
+                ((float *)out)[r * k + i] = ((const float *)x)[r * k + order[i]];
+        }
+    return out;
+}
+
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #include <immintrin.h>
 
@@ -655,9 +672,8 @@ static inline __attribute__((always_inline)) void block_avx2(const int8_t *xq, c
             INT8_BLOCK(xq, xs, xsum, recs, bias, y, r0, rows, nb, n, k, KIND, bf16);                      \
     } while (0)
 
-int quant_gemm(const void *x, const uint8_t *packed, const void *bias, void *y, int64_t m, int64_t n, int64_t k,
+static int gemm(const void *x, const uint8_t *packed, const void *bias, void *y, int64_t m, int64_t n, int64_t k,
                int kind, int bf16, int threads) {
-    if (n % COLS || k % GROUP || !(known_kind(kind) || kind == MIXED)) return 1;
     int8_t *xq = malloc((size_t)(m * k));
     float *xs = malloc(sizeof(float) * (size_t)(m * (k / GROUP)));
     int32_t *xsum = malloc(sizeof(int32_t) * (size_t)(m * (k / 16)));
@@ -701,9 +717,8 @@ static inline void record_to_tile(const uint8_t *recs, int64_t g, int64_t groups
         for (int64_t c = 0; c < COLS; ++c) tile[kk][c] = weight_at(rec, kind, sv, kk, c);
 }
 
-int quant_gemm(const void *x, const uint8_t *packed, const void *bias, void *y, int64_t m, int64_t n, int64_t k,
+static int gemm(const void *x, const uint8_t *packed, const void *bias, void *y, int64_t m, int64_t n, int64_t k,
                int kind, int bf16, int threads) {
-    if (n % COLS || k % GROUP || !(known_kind(kind) || kind == MIXED)) return 1;
     float *xf = malloc(sizeof(float) * (size_t)(m * k));
     if (!xf) return 2;
     for (int64_t i = 0; i < m * k; ++i) xf[i] = value_at(x, i, bf16);
@@ -730,3 +745,17 @@ int quant_gemm(const void *x, const uint8_t *packed, const void *bias, void *y, 
     return 0;
 }
 #endif
+
+/* y [m, n] = x [m, k] . w^T (+ bias), w packed by pack_weight; x, bias and y bf16 (bf16 = 1) or float32. With
+ * `order` (NULL: none), x's columns are taken in that order first (GPTQ act-order weights). Status: 0 ok, 1 a
+ * shape or kind it cannot take, 2 out of memory. */
+int quant_gemm(const void *x, const uint8_t *packed, const void *bias, void *y, int64_t m, int64_t n, int64_t k,
+               int kind, int bf16, int threads, const int64_t *order) {
+    if (n % COLS || k % GROUP || !(known_kind(kind) || kind == MIXED)) return 1;
+    if (!order) return gemm(x, packed, bias, y, m, n, k, kind, bf16, threads);
+    void *gathered = gather_columns(x, order, m, k, bf16, threads);
+    if (!gathered) return 2;
+    const int status = gemm(gathered, packed, bias, y, m, n, k, kind, bf16, threads);
+    free(gathered);
+    return status;
+}
