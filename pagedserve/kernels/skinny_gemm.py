@@ -40,6 +40,8 @@ def _lib() -> Optional[ctypes.CDLL]:
         return None
     if getattr(library, "_layout", None) is None:
         library.pack_weight.argtypes = [_P, _P, _I64, _I64]
+        library.packed_rows.argtypes = [_P, _P, _I64, _P, _I64, _I64]
+        library.packed_rows.restype = _INT
         library.skinny_gemm.argtypes = [_P, _P, _P, _P, _I64, _I64, _I64, _INT]
         library.skinny_gemm_accumulate.argtypes = [_P, _P, _P, _I64, _I64, _I64, _INT]
         library.pack_weight.restype = library.skinny_gemm.restype = library.skinny_gemm_accumulate.restype = _INT
@@ -111,3 +113,18 @@ def linear_accumulate(x: torch.Tensor, packed: PackedWeight, out: torch.Tensor) 
                                                          torch.get_num_threads())
     if status != 0:
         raise RuntimeError(f"skinny_gemm_accumulate failed (status {status})")
+
+
+def rows(ids: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
+    """Rows `ids` (any shape, int) of the packed [N, K] weight used as a lookup table -> [*ids.shape, K] bf16, the
+    weight's values exactly (a tied LM head held only packed still serves the token embeddings). An id outside
+    0..N-1 is an IndexError."""
+    flat = ids.reshape(-1).to(torch.int64).contiguous()
+    out = torch.empty(flat.numel(), packed.in_features, dtype=torch.bfloat16)
+    status = _library_for(packed).packed_rows(packed.data.data_ptr(), flat.data_ptr(), flat.numel(), out.data_ptr(),
+                                              packed.out_features, packed.in_features)
+    if status == 3:
+        raise IndexError(f"index out of range: ids must lie in 0..{packed.out_features - 1}")
+    if status != 0:
+        raise RuntimeError(f"skinny_gemm packed_rows failed (status {status})")
+    return out.view(*ids.shape, packed.in_features)

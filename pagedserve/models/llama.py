@@ -6,6 +6,7 @@ Parameter names follow HF checkpoints, except that q/k/v and gate/up are fused i
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Iterable, NamedTuple, Optional
 
@@ -23,6 +24,8 @@ from pagedserve.layers.norm import RMSNorm
 from pagedserve.layers.rotary import RotaryEmbedding, apply_rotary
 from pagedserve.layers.vocab_embedding import VocabEmbedding
 from pagedserve.quantization.quantized_tensor import QuantizedParts, QuantizedTensor
+
+logger = logging.getLogger(__name__)
 
 
 class RopeInputs(NamedTuple):
@@ -170,7 +173,8 @@ class LlamaForCausalLM(nn.Module):
         it does more than an argmax."""
         if self.quantized_lm_head is not None:
             return quant_gemm.linear(hidden, self.quantized_lm_head)
-        if self._packed_lm_head is not None and hidden.shape[0] <= skinny_gemm.MAX_ROWS:
+        if self._packed_lm_head is not None and (hidden.shape[0] <= skinny_gemm.MAX_ROWS
+                                                 or self.lm_head_weight.numel() == 0):
             return skinny_gemm.linear(hidden, self._packed_lm_head)
         return torch.nn.functional.linear(hidden, self.lm_head_weight)
 
@@ -178,9 +182,15 @@ class LlamaForCausalLM(nn.Module):
         """Give every linear layer and the LM head a weight copy laid out for small batches (CPU bfloat16;
         see layers/linear.py), and, where every kernel has its C path, run the layers of small decode-only
         steps as one C call (kernels/decode_layers.py). Returns how many weights were packed; call after the
-        weights are loaded and the KV cache is bound."""
+        weights are loaded and the KV cache is bound.
+
+        Where the decoder's linears are kept quantized, the bf16 LM head is then held only packed (its plain
+        weight dropped; tied: the token embeddings read their rows from it), so that the model's resident weights
+        stay near its checkpoint's size; above MAX_ROWS rows the LM head then runs on the small-batch kernel too
+        (0.7-0.8x torch's speed there, for a table as large as every quantized linear together)."""
         linears = [m for m in self.model.modules() if isinstance(m, Linear) and m.quantized is None]
-        weights = [m.weight for m in linears] + [self.lm_head_weight if self.quantized_lm_head is None else None]
+        lm_head = self.lm_head_weight if self.quantized_lm_head is None and self.lm_head_weight.numel() else None
+        weights = [m.weight for m in linears] + [lm_head]
         shapes = [skinny_gemm.PackedWeight.packed_shape(w) if w is not None else None for w in weights]
         # One buffer for all of them, in huge pages: a small decode step streams every packed weight once.
         sizes = [math.prod(shape) if shape else 0 for shape in shapes]
@@ -190,6 +200,9 @@ class LlamaForCausalLM(nn.Module):
         packed = sum(m.pack_for_small_batches(view) for m, view in zip(linears, views))
         if weights[-1] is not None:
             self._packed_lm_head = skinny_gemm.PackedWeight.of(weights[-1], views[-1])
+            if self._packed_lm_head is not None and any(m.quantized is not None for m in self.model.modules()
+                                                        if isinstance(m, Linear)):
+                self._hold_lm_head_packed_only()
         self._decode_layers = DecodeLayers.build(self)
         return packed + (self._packed_lm_head is not None)
 
@@ -199,6 +212,17 @@ class LlamaForCausalLM(nn.Module):
         for i, (layer, (key_cache, value_cache)) in enumerate(zip(self.model.layers, kv_caches, strict=True)):
             layer.self_attn.key_cache, layer.self_attn.value_cache = key_cache, value_cache
             layer.self_attn.kv_scales = kv_scales[i] if kv_scales is not None else None
+
+    def _hold_lm_head_packed_only(self) -> None:
+        empty = torch.nn.Parameter(torch.empty(0, dtype=self.lm_head_weight.dtype), requires_grad=False)
+        if self.tie_word_embeddings:
+            self.model.embed_tokens.packed = self._packed_lm_head
+            self.model.embed_tokens.weight = empty
+        else:
+            self.lm_head.weight = empty
+        logger.info("LM head (%d x %d bf16%s) held once, packed for the small-batch kernel",
+                    self._packed_lm_head.out_features, self._packed_lm_head.in_features,
+                    ", the tied token embeddings read from it" if self.tie_word_embeddings else "")
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -99,3 +99,14 @@ def test_linear_layer_uses_the_packed_copy_only_for_small_batches(isa):
     layer.packed = skinny_gemm.PackedWeight(torch.zeros_like(layer.packed.data), 48, 64)  # a visibly wrong copy
     assert torch.equal(layer(small), layer.bias.expand(skinny_gemm.MAX_ROWS, 48))  # bias only: packed path
     assert torch.equal(layer(large), torch.nn.functional.linear(large, layer.weight, layer.bias))
+
+
+def test_rows_of_a_packed_table_are_its_rows_exactly(isa):
+    """A tied LM head held only packed still serves the token embeddings: each looked-up row is the bf16 row."""
+    table = torch.randn(48, 64).bfloat16()
+    packed = packed_or_skip(table, isa)
+    ids = torch.tensor([[0, 47, 16], [15, 16, 3]])
+    assert torch.equal(skinny_gemm.rows(ids, packed), table[ids])
+    for bad in (48, -1):
+        with pytest.raises(IndexError, match="ids must lie in 0..47"):
+            skinny_gemm.rows(torch.tensor([2, bad]), packed)

@@ -281,3 +281,30 @@ def test_act_order_layers_run_in_the_one_call_c_decode_loop_with_the_python_laye
         pytest.skip("no C decode loop here (it needs the bf16 small-batch kernel: not on the generic level)")
     assert model.model.layers[0].self_attn.qkv_proj.input_order is not None
     assert_c_decode_loop_matches_python_layers(llm, prompts(), SamplingParams(temperature=0, max_tokens=6, logprobs=1))
+
+
+@pytest.mark.parametrize("tie", [False, True], ids=["lm_head", "tied-embeddings"])
+def test_the_bf16_lm_head_of_a_quantized_model_is_held_once(tiny_llama_dir, tmp_path, tie):
+    """With its linears kept quantized, the model holds its bf16 LM head only packed for the small-batch kernel
+    (tied: the embeddings read their rows from it), so the whole model stays within 10% of its checkpoint; above
+    32 rows the LM head runs on that kernel too, so a request's tokens do not depend on the batch."""
+    from conftest import build_tiny_model
+
+    source = build_tiny_model(str(tmp_path / "tied"), "llama", tie=True) if tie else tiny_llama_dir
+    quantized_dir, _ = write_checkpoint(source, tmp_path, "awq", group=32)
+    llm = LLM(quantized_dir, dtype="bfloat16", kv_cache_memory_bytes=1 << 22, skip_tokenizer_init=True, device="cpu")
+    model = llm.engine.runner.model
+    if model._packed_lm_head is None:
+        pytest.skip("no bf16 small-batch kernel here (generic level): the LM head stays a torch weight")
+    assert model.lm_head_weight.numel() == 0 and (model.model.embed_tokens.packed is not None) == tie
+    resident = sum(p.numel() * p.element_size() for p in model.parameters()) + model._packed_lm_head.data.nbytes
+    resident += sum(m.quantized.nbytes for m in model.modules() if getattr(m, "quantized", None) is not None)
+    tensors = load_file(f"{quantized_dir}/model.safetensors")
+    assert resident <= 1.1 * sum(t.numel() * t.element_size() for t in tensors.values())
+    rng = random.Random(1)
+    many = [{"prompt_token_ids": [rng.randrange(3, 390) for _ in range(5)]} for _ in range(40)]
+    params = SamplingParams(temperature=0, max_tokens=4)
+    together = llm.generate(many, params, use_tqdm=False)
+    alone = [llm.generate([p], params, use_tqdm=False)[0] for p in many[:3]]
+    assert [o.outputs[0].token_ids for o in together[:3]] == [o.outputs[0].token_ids for o in alone]
+    assert_no_leaked_blocks(llm.engine)

@@ -62,6 +62,25 @@ int pack_weight(const uint16_t *w, uint16_t *packed, int64_t n, int64_t k) {
     return 0;
 }
 
+/* Rows ids[i] of a packed [n, k] weight used as a table (a tied LM head's token embeddings) into out[count][k]:
+ * the bf16 values exactly. Status: 0 ok, 1 bad shape or no layout, 3 an id outside 0..n-1. */
+int packed_rows(const uint16_t *packed, const int64_t *ids, int64_t count, uint16_t *out, int64_t n, int64_t k) {
+    if (n % 16 || k % 2 || LAYOUT == 0) return 1;
+    for (int64_t i = 0; i < count; ++i)
+        if (ids[i] < 0 || ids[i] >= n) return 3;
+    for (int64_t i = 0; i < count; ++i) {
+        const int64_t c = ids[i] % 16;
+        const uint16_t *block = packed + (ids[i] / 16) * 16 * k;
+        for (int64_t kk = 0; kk < k; ++kk)
+#if LAYOUT == 1
+            out[i * k + kk] = block[((kk / 2) * 16 + c) * 2 + kk % 2];
+#else
+            out[i * k + kk] = block[(kk * 8 + c % 8) * 2 + c / 8];
+#endif
+    }
+    return 0;
+}
+
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 
