@@ -49,12 +49,15 @@ def requantized(quant: str, folder: str, by_kind: dict | None = None) -> str:
 
 
 def weight_bytes(engine: LLMEngine) -> int:
-    """Parameters, kept-quantized weights and the bf16 copies packed for small batches (LM head included)."""
+    """Parameters, kept-quantized weights (and GPTQ act-order's input orders) and the bf16 copies packed for
+    small batches (LM head included), each counted once."""
     model = engine.runner.model
     dense = sum(p.numel() * p.element_size() for p in model.parameters())
-    kept = sum(m.quantized.nbytes for m in model.modules() if getattr(m, "quantized", None) is not None)
+    kept = sum(m.quantized.nbytes + (0 if getattr(m, "input_order", None) is None else m.input_order.nbytes)
+               for m in model.modules() if getattr(m, "quantized", None) is not None)
     packed = [m.packed for m in model.modules() if getattr(m, "packed", None) is not None] + [model._packed_lm_head]
-    return dense + kept + sum(p.data.numel() * p.data.element_size() for p in packed if p is not None)
+    unique = {id(p): p for p in packed if p is not None}  # a tied table held packed is the LM head's copy
+    return dense + kept + sum(p.data.numel() * p.data.element_size() for p in unique.values())
 
 
 def compare(cases: list[tuple[str, str, str | None, int]], args) -> None:
