@@ -48,8 +48,8 @@ def quantized(n: int, k: int, name: str, allocate=None) -> quant_gemm.QuantizedW
     codes = torch.randint(-100, 100, (n, k), dtype=torch.int8).view(torch.uint8) if kind == 8 \
         else torch.randint(0, 64 if kind == 6 else 16, (n, k), dtype=torch.uint8)
     per = 16 if kind == 6 else 32
-    scales = torch.full((n, k // per), 0.01)
-    offsets = -8 * scales if storage == "symmetric" else torch.full((n, k // 32), -0.07)  # -0.08 is -8 x 0.01
+    scales = torch.full((n, k // per), 0.01).half().float()  # float16 values, as a GGUF file's
+    offsets = -8 * scales if storage == "symmetric" else torch.full((n, k // 32), -0.07).half().float()
     factors = None
     if storage == "super":
         factors = quant_gemm.SuperScales(torch.full((n, k // 256), 0.001).half(),

@@ -164,7 +164,8 @@ class QuantizedWeight:
              allocate: Optional[Allocate] = None) -> "QuantizedWeight":
         """codes [N, K] (int8 for kind 8, uint8 0..15 for kind 4, 0..63 for kind 6), scales [N, K / 32] float32
         ([N, K / 16] for kind 6), offsets [N, K / 32] float32 (used by kind 4 only). half_scales: store the
-        scales as float16 (None: where that is exact; True rounds them). super_scales (kinds 4 and 6, K % 256 == 0): store the
+        scales as float16 (None: where that is exact; True: they must be float16 values, else a ValueError;
+        False: float32). super_scales (kinds 4 and 6, K % 256 == 0): store the
         scales in that form instead (`scales` and `offsets` are then its products, and unread); so group_scales
         (kind 4, K % group_size == 0). allocate: where the records go (default: a new tensor)."""
         allocate = allocate or _new_bytes
@@ -180,8 +181,10 @@ class QuantizedWeight:
         scales = scales.float().contiguous()
         offsets = torch.zeros(n, k // GROUP) if offsets is None or kind != 4 else offsets.float().contiguous()
         flags = SYMMETRIC if kind == 4 and torch.equal(offsets, -8.0 * scales) else 0
-        if half_scales is None:
-            half_scales = _exact_in_half(scales) and (kind != 4 or _exact_in_half(offsets))
+        exact = _exact_in_half(scales) and (kind != 4 or _exact_in_half(offsets))
+        if half_scales and not exact:
+            raise ValueError("half_scales=True, but a scale or offset is no float16 value (it would be rounded)")
+        half_scales = exact if half_scales is None else half_scales
         if half_scales:
             flags |= HALF_SCALES
             scales, offsets = scales.half(), offsets.half()

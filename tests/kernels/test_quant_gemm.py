@@ -163,8 +163,7 @@ def test_group_scales_give_the_per_32_float32_scales_results_bit_for_bit(group_s
 def test_an_input_order_gives_the_result_of_the_gathered_input(dtype, isa):
     """GPTQ act-order: the kernel takes x's columns in the weight's input order itself, bit for bit what a
     gathered copy of x gives."""
-    weight = with_group_scales(random_weight(32, 256, 4, seed=51), 64, seed=52)
-    packed = pack(weight, "float16 scales")
+    packed = pack(random_weight(32, 256, 4, seed=51), "group scales")
     order = torch.randperm(256, generator=torch.Generator().manual_seed(53))
     for rows in (1, 9):
         x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows)).to(dtype)
@@ -273,3 +272,10 @@ def test_the_avx2_int8_path_gives_the_vnni_paths_results_bit_for_bit(kind, stora
         outputs[level] = quant_gemm.linear(x, packed)
     build.reset()
     assert torch.equal(outputs["avx512_bf16"], outputs["avx2"])
+
+
+def test_asking_for_float16_scales_that_are_no_float16_values_is_an_error():
+    weight = random_weight(16, 64, 4)
+    weight.scales[0, 0] = 1 / 3
+    with pytest.raises(ValueError, match="half_scales=True, but a scale or offset is no float16 value"):
+        quant_gemm.QuantizedWeight.pack(weight.codes, weight.scales, weight.offsets, 4, "test", half_scales=True)
