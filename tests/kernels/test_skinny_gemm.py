@@ -17,7 +17,7 @@ def packed_or_skip(weight: torch.Tensor, isa: str) -> skinny_gemm.PackedWeight:
     return packed
 
 
-@pytest.mark.parametrize("rows", [1, 7, 16, 17, 32])
+@pytest.mark.parametrize("rows", [1, 7, 12, 13, 16, 17, 32, 75])
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_linear_matches_torch_linear(isa, rows, bias):
     g = torch.Generator().manual_seed(rows)

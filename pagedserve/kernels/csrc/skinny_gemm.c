@@ -25,11 +25,13 @@
 #include <string.h>
 
 #if defined(__AVX512BF16__)
-#define LAYOUT 1        /* [N / 16][K / 2][16][2] */
-#define ROWS_PER_PASS 16 /* accumulators held in registers per pass over a column block */
+#define LAYOUT 1         /* [N / 16][K / 2][16][2] */
+#define ROWS_PER_PASS 12 /* rows per pass over BLOCKS_PER_PASS column blocks: 24 accumulators in registers */
+#define BLOCKS_PER_PASS 2
 #elif defined(__AVX2__) && defined(__FMA__)
 #define LAYOUT 2       /* [N / 16][K][8][2] */
 #define ROWS_PER_PASS 6 /* 2 accumulators a row: 12 of the 16 vector registers */
+#define BLOCKS_PER_PASS 1
 #else
 #define LAYOUT 0
 #endif
@@ -92,37 +94,45 @@ static inline __m512 widen16(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
 
-/* Rows [m0, m0 + rows) of y for the column block nb; rows <= ROWS_PER_PASS. With `accumulate`, y's values are
- * added to the sums before the one rounding. */
-static inline __attribute__((always_inline)) void column_block(const uint16_t *x, const uint16_t *packed,
-                                                              const uint16_t *bias, uint16_t *y, int64_t m0,
-                                                              int64_t rows, int64_t nb, int64_t n, int64_t k,
-                                                              int accumulate) {
-    __m512 acc[ROWS_PER_PASS];
-    for (int64_t r = 0; r < rows; ++r) acc[r] = _mm512_setzero_ps();
+/* Rows [m0, m0 + rows) of y for the `blocks` (1 or 2) column blocks from nb; rows <= ROWS_PER_PASS. Each
+ * broadcast pair of x feeds both blocks and each weight vector every row: per pair of k, 2 weight loads and
+ * `rows` broadcasts for 2 * rows dot products (one block of 16 rows took 17 loads for 16). With `accumulate`,
+ * y's values are added to the sums before the one rounding. */
+static inline __attribute__((always_inline)) void column_blocks(const uint16_t *x, const uint16_t *packed,
+                                                               const uint16_t *bias, uint16_t *y, int64_t m0,
+                                                               int64_t rows, int64_t nb, int blocks, int64_t n,
+                                                               int64_t k, int accumulate) {
+    __m512 acc[BLOCKS_PER_PASS][ROWS_PER_PASS];
+    for (int b = 0; b < blocks; ++b)
+        for (int64_t r = 0; r < rows; ++r) acc[b][r] = _mm512_setzero_ps();
     const uint32_t *xp = (const uint32_t *)x + m0 * (k / 2); /* k pairs of each row */
     const __m512i *wp = (const __m512i *)(packed + nb * (k / 2) * 32);
     for (int64_t p = 0; p < k / 2; ++p) {
-        const __m512bh wv = (__m512bh)_mm512_loadu_si512(wp + p);
-        for (int64_t r = 0; r < rows; ++r)
-            acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32((int)xp[r * (k / 2) + p]), wv);
+        __m512bh wv[BLOCKS_PER_PASS];
+        for (int b = 0; b < blocks; ++b) wv[b] = (__m512bh)_mm512_loadu_si512(wp + b * (k / 2) + p);
+        for (int64_t r = 0; r < rows; ++r) {
+            const __m512bh xv = (__m512bh)_mm512_set1_epi32((int)xp[r * (k / 2) + p]);
+            for (int b = 0; b < blocks; ++b) acc[b][r] = _mm512_dpbf16_ps(acc[b][r], xv, wv[b]);
+        }
     }
-    const __m512 b = bias ? widen16(bias + nb * 16) : _mm512_setzero_ps();
-    for (int64_t r = 0; r < rows; ++r) {
-        uint16_t *dst = y + (m0 + r) * n + nb * 16;
-        const __m512 sum = accumulate ? _mm512_add_ps(acc[r], widen16(dst)) : _mm512_add_ps(acc[r], b);
-        _mm256_storeu_si256((__m256i *)dst, to_bf16(sum));
+    for (int b = 0; b < blocks; ++b) {
+        const __m512 bv = bias ? widen16(bias + (nb + b) * 16) : _mm512_setzero_ps();
+        for (int64_t r = 0; r < rows; ++r) {
+            uint16_t *dst = y + (m0 + r) * n + (nb + b) * 16;
+            const __m512 sum = accumulate ? _mm512_add_ps(acc[b][r], widen16(dst)) : _mm512_add_ps(acc[b][r], bv);
+            _mm256_storeu_si256((__m256i *)dst, to_bf16(sum));
+        }
     }
 }
 
-/* Constant row counts let the compiler keep the accumulators in registers and unroll the row loop. */
+/* Constant row and block counts let the compiler keep the accumulators in registers and unroll the loops. */
 static void column_block_any(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, uint16_t *y,
-                             int64_t m0, int64_t rows, int64_t nb, int64_t n, int64_t k, int accumulate) {
-    switch (rows) {
-#define CASE(R) \
-    case R: column_block(x, packed, bias, y, m0, R, nb, n, k, accumulate); break;
-        CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
-        CASE(9) CASE(10) CASE(11) CASE(12) CASE(13) CASE(14) CASE(15) CASE(16)
+                             int64_t m0, int64_t rows, int64_t nb, int blocks, int64_t n, int64_t k, int accumulate) {
+    switch (rows * 2 + blocks - 1) {
+#define CASE(R)                                                                              \
+    case 2 * R: column_blocks(x, packed, bias, y, m0, R, nb, 1, n, k, accumulate); break;     \
+    case 2 * R + 1: column_blocks(x, packed, bias, y, m0, R, nb, 2, n, k, accumulate); break;
+        CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8) CASE(9) CASE(10) CASE(11) CASE(12)
 #undef CASE
     }
 }
@@ -182,7 +192,8 @@ static inline __attribute__((always_inline)) void column_block(const uint32_t *x
 }
 
 static void column_block_any(const uint32_t *xf, const uint16_t *packed, const uint16_t *bias, uint16_t *y,
-                             int64_t m0, int64_t rows, int64_t nb, int64_t n, int64_t k, int accumulate) {
+                             int64_t m0, int64_t rows, int64_t nb, int blocks, int64_t n, int64_t k, int accumulate) {
+    (void)blocks; /* one column block a pass here */
     switch (rows) {
 #define CASE(R) \
     case R: column_block(xf, packed, bias, y, m0, R, nb, n, k, accumulate); break;
@@ -193,8 +204,8 @@ static void column_block_any(const uint32_t *xf, const uint16_t *packed, const u
 #endif
 
 /* y [M, N] = x [M, K] . w^T (+ bias [N]), or y += x . w^T with `accumulate` (then no bias), all bf16, with w
- * packed by pack_weight. Column blocks are split over the threads; each block's 16 x K weights stay in cache
- * while every pass of ROWS_PER_PASS rows of x uses them. Status: 0 ok, 1 bad shape, 2 no path in this build,
+ * packed by pack_weight. Column blocks, BLOCKS_PER_PASS at a time, are split over the threads; their weights
+ * stay in cache while every pass of ROWS_PER_PASS rows of x uses them. Status: 0 ok, 1 bad shape, 2 no path in this build,
  * 3 out of memory. */
 static int gemm(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, uint16_t *y, int64_t m, int64_t n,
                 int64_t k, int num_threads, int accumulate) {
@@ -207,11 +218,15 @@ static int gemm(const uint16_t *x, const uint16_t *packed, const uint16_t *bias,
     if (!xs) return 3;
     for (int64_t i = 0; i < m * k; ++i) xs[i] = (uint32_t)x[i] << 16; /* bf16 -> float32 bits, exact */
 #endif
+    const int64_t blocks = n / 16, passes = (blocks + BLOCKS_PER_PASS - 1) / BLOCKS_PER_PASS;
 #pragma omp parallel for num_threads(num_threads) schedule(static)
-    for (int64_t nb = 0; nb < n / 16; ++nb)
+    for (int64_t pass = 0; pass < passes; ++pass) {
+        const int64_t nb = pass * BLOCKS_PER_PASS;
+        const int these = blocks - nb < BLOCKS_PER_PASS ? (int)(blocks - nb) : BLOCKS_PER_PASS;
         for (int64_t m0 = 0; m0 < m; m0 += ROWS_PER_PASS)
-            column_block_any(xs, packed, bias, y, m0, m - m0 < ROWS_PER_PASS ? m - m0 : ROWS_PER_PASS, nb, n, k,
-                             accumulate);
+            column_block_any(xs, packed, bias, y, m0, m - m0 < ROWS_PER_PASS ? m - m0 : ROWS_PER_PASS, nb, these,
+                             n, k, accumulate);
+    }
 #if LAYOUT == 2
     free(xs);
 #endif
