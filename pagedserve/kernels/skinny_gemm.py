@@ -23,7 +23,11 @@ import torch
 from pagedserve.kernels.build import load_library
 
 MAX_ROWS = 32
-"""Up to this many rows the packed kernel beats torch's bf16 matmul here (measured: 2.9x at 1 row, 1.5x at
+"""Where the packed kernel does not take every batch (takes_every_batch()), layers use it up to this many rows and
+torch above. The AVX-512 BF16 path (passes of 12 rows over 2 column blocks) is ahead of torch's BLAS at every row
+count measured (1 to 2048 rows: 2.6x at 1, 1.5x at 32, 1.02x at 256, 1.14x at 1024 on the default model's
+shapes), so there layers hold only the packed copy and use it for every batch. Before that (one column block of
+16 rows a pass), up to this many rows the packed kernel beat torch's bf16 matmul here (measured: 2.9x at 1 row, 1.5x at
 16, 1.15x at 32, even at 64); above, torch's BLAS is as fast or faster. The AVX2 path against torch held to
 AVX2 (ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2, on this Zen 4, 2 threads, noisy shared machine):
 1.1-1.6x at 1 row, 3.6-4.2x at 16, 4.4-4.7x at 32 (benchmarks/small_batch_matmul.py)."""
@@ -78,6 +82,13 @@ class PackedWeight:
         if _lib().pack_weight(weight.data_ptr(), data.data_ptr(), n, k) != 0:
             return None
         return PackedWeight(data, n, k)
+
+
+def takes_every_batch() -> bool:
+    """Whether the packed kernel in force is as fast as torch at any number of rows (the AVX-512 BF16 layout), so
+    that a layer can hold its weight only packed."""
+    library = _lib()
+    return library is not None and library._layout == 1
 
 
 def _library_for(packed: PackedWeight) -> ctypes.CDLL:

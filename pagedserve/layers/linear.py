@@ -34,19 +34,31 @@ class Linear(nn.Linear):
     input_order: Optional[torch.Tensor] = None
     """With `quantized` from a GPTQ act-order checkpoint: the order of the input features in its columns."""
 
+    @property
+    def held_packed_only(self) -> bool:
+        """Whether the packed copy is the weight's only copy (`weight` then empty): where the packed kernel takes
+        every batch as fast as torch (skinny_gemm.takes_every_batch)."""
+        return self.packed is not None and self.weight.numel() == 0
+
     def pack_for_small_batches(self, out: Optional[torch.Tensor] = None) -> bool:
-        """Pack the weight (into `out`, sized by PackedWeight.packed_shape, when given)."""
+        """Pack the weight (into `out`, sized by PackedWeight.packed_shape, when given); where the packed kernel
+        takes every batch, drop the plain weight then (one copy in memory)."""
         if self.quantized is not None:
             return False
+        if self.held_packed_only:
+            return True
         self.packed = skinny_gemm.PackedWeight.of(self.weight, out)
+        if self.packed is not None and skinny_gemm.takes_every_batch():
+            self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
         return self.packed is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quantized is not None:
             rows = x.reshape(-1, x.shape[-1])
             out = quant_gemm.linear(rows, self.quantized, self.bias, self.input_order).view(*x.shape[:-1], -1)
-        elif self.packed is not None and x.dim() == 2 and x.shape[0] <= skinny_gemm.MAX_ROWS:
-            out = skinny_gemm.linear(x, self.packed, self.bias)
+        elif self.packed is not None and (self.held_packed_only or (x.dim() == 2 and x.shape[0] <= skinny_gemm.MAX_ROWS)):
+            rows = x.reshape(-1, x.shape[-1])
+            out = skinny_gemm.linear(rows, self.packed, self.bias).view(*x.shape[:-1], -1)
         else:
             out = F.linear(x, self.weight, self.bias)
         if self.lora is not None:

@@ -184,11 +184,13 @@ class LlamaForCausalLM(nn.Module):
         steps as one C call (kernels/decode_layers.py). Returns how many weights were packed; call after the
         weights are loaded and the KV cache is bound.
 
-        Where the decoder's linears are kept quantized, the bf16 LM head is then held only packed (its plain
-        weight dropped; tied: the token embeddings read their rows from it), so that the model's resident weights
-        stay near its checkpoint's size; above MAX_ROWS rows the LM head then runs on the small-batch kernel too
-        (0.7-0.8x torch's speed there, for a table as large as every quantized linear together)."""
-        linears = [m for m in self.model.modules() if isinstance(m, Linear) and m.quantized is None]
+        Where the packed kernel takes every batch as fast as torch (skinny_gemm.takes_every_batch: AVX-512 BF16)
+        every bf16 weight is then held only packed, the LM head's too (tied: the token embeddings read their rows
+        from it), so that resident weights stay near the checkpoint's size. Where it does not, the linears keep
+        both copies, and so does the LM head unless the decoder's linears are kept quantized (AWQ, GPTQ, GGUF
+        with a bf16 head): then it too is held only packed and runs on that kernel at every batch size."""
+        linears = [m for m in self.model.modules() if isinstance(m, Linear) and m.quantized is None
+                   and not m.held_packed_only]
         lm_head = self.lm_head_weight if self.quantized_lm_head is None and self.lm_head_weight.numel() else None
         weights = [m.weight for m in linears] + [lm_head]
         shapes = [skinny_gemm.PackedWeight.packed_shape(w) if w is not None else None for w in weights]
@@ -200,8 +202,8 @@ class LlamaForCausalLM(nn.Module):
         packed = sum(m.pack_for_small_batches(view) for m, view in zip(linears, views))
         if weights[-1] is not None:
             self._packed_lm_head = skinny_gemm.PackedWeight.of(weights[-1], views[-1])
-            if self._packed_lm_head is not None and any(m.quantized is not None for m in self.model.modules()
-                                                        if isinstance(m, Linear)):
+            if self._packed_lm_head is not None and (skinny_gemm.takes_every_batch() or any(
+                    m.quantized is not None for m in self.model.modules() if isinstance(m, Linear))):
                 self._hold_lm_head_packed_only()
         self._decode_layers = DecodeLayers.build(self)
         return packed + (self._packed_lm_head is not None)

@@ -90,15 +90,35 @@ def test_weights_the_kernel_cannot_take_are_not_packed(isa):
         assert not Linear(64, 48).bfloat16().pack_for_small_batches()
 
 
-def test_linear_layer_uses_the_packed_copy_only_for_small_batches(isa):
+def test_linear_layer_uses_the_packed_copy_only_for_small_batches_where_torch_is_faster_above(isa):
     layer = Linear(64, 48, bias=True).bfloat16()
+    weight = layer.weight.detach().clone()
     if not layer.pack_for_small_batches():
         packed_or_skip(layer.weight, isa)
     small = torch.randn(skinny_gemm.MAX_ROWS, 64).bfloat16()
     large = torch.randn(skinny_gemm.MAX_ROWS + 1, 64).bfloat16()
+    expected_large = skinny_gemm.linear(large, layer.packed, layer.bias)
     layer.packed = skinny_gemm.PackedWeight(torch.zeros_like(layer.packed.data), 48, 64)  # a visibly wrong copy
     assert torch.equal(layer(small), layer.bias.expand(skinny_gemm.MAX_ROWS, 48))  # bias only: packed path
-    assert torch.equal(layer(large), torch.nn.functional.linear(large, layer.weight, layer.bias))
+    if skinny_gemm.takes_every_batch():  # AVX-512 BF16: the packed copy is the only one, for every batch
+        assert layer.held_packed_only and layer.weight.numel() == 0
+        assert torch.equal(layer(large), layer.bias.expand(skinny_gemm.MAX_ROWS + 1, 48))
+        assert not torch.equal(expected_large, layer(large))
+    else:  # torch above MAX_ROWS, on the plain weight kept beside the packed copy
+        assert not layer.held_packed_only
+        assert torch.equal(layer(large), torch.nn.functional.linear(large, weight, layer.bias))
+
+
+def test_a_layer_held_packed_only_gives_every_batch_size_the_plain_weights_result(isa):
+    layer = Linear(64, 80, bias=False).bfloat16()
+    weight = layer.weight.detach().clone()
+    if not layer.pack_for_small_batches() or not layer.held_packed_only:
+        pytest.skip(f"{isa}: the packed kernel does not take every batch here (layers keep the plain weight)")
+    x = torch.randn(3, 50, 64).bfloat16()  # 150 rows, in a 3-d batch
+    out = layer(x)
+    assert out.shape == (3, 50, 80)
+    assert (out == torch.nn.functional.linear(x, weight)).float().mean() > 0.99  # rounding order only
+    assert torch.equal(out[1, 7], layer(x[1, 7:8])[0])  # a row's result does not depend on the batch
 
 
 def test_rows_of_a_packed_table_are_its_rows_exactly(isa):
