@@ -102,11 +102,14 @@ def compare(cases: list[tuple[str, str, str | None, int]], args) -> None:
     print("c16 TPOT runs:", {name: [round(r["tpot_ms"], 1) for r in runs[name]["c16"]] for name, *_ in cases})
 
 
-def arguments(description: str) -> argparse.Namespace:
+def arguments(description: str, **extra: dict) -> argparse.Namespace:
+    """The shared flags, and `extra` ones (flag name with underscores -> add_argument keywords)."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--w1-requests", type=int, default=256)
+    for name, options in extra.items():
+        parser.add_argument("--" + name.replace("_", "-"), **options)
     return parser.parse_args()
 
 

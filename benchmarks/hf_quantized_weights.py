@@ -101,22 +101,16 @@ def resident_linears(path: str) -> int:
 
 
 def main() -> None:
-    import argparse
-
-    parser = argparse.ArgumentParser(add_help=False)
-    parser.add_argument("--group-size", type=int, default=64)
-    known, rest = parser.parse_known_args()
-    sys.argv = [sys.argv[0], *rest]
-    args = arguments(__doc__.split("\n")[0])
+    args = arguments(__doc__.split("\n")[0], group_size=dict(type=int, default=64))
     folder = tempfile.mkdtemp()
     float_dir = os.path.join(folder, "float")
     export(default_model_path(), float_dir, torch.bfloat16)
     cases = [("float weights (bf16 folder)", float_dir, None, os.path.getsize(f"{float_dir}/model.safetensors"))]
     linears = []
     for method, desc_act in (("awq", False), ("gptq", False), ("gptq", True)):
-        name = f"{method.upper()}{' desc_act' if desc_act else ''}, group {known.group_size}"
+        name = f"{method.upper()}{' desc_act' if desc_act else ''}, group {args.group_size}"
         target = os.path.join(folder, name.replace(" ", "-").replace(",", ""))
-        file_linears = quantize_folder(float_dir, target, method, known.group_size, desc_act)
+        file_linears = quantize_folder(float_dir, target, method, args.group_size, desc_act)
         cases.append((name, target, None, os.path.getsize(f"{target}/model.safetensors")))
         linears.append((name, file_linears, resident_linears(target)))
     print("| checkpoint | linears in the checkpoint MiB | linears resident MiB | ratio |\n|---|---|---|---|")

@@ -17,6 +17,11 @@ if TYPE_CHECKING:
     from pagedserve.lora.layers import LinearLoRA
 
 
+def empty_weight(like: torch.Tensor) -> nn.Parameter:
+    """The weight of a layer that holds it elsewhere (packed only, or kept quantized): empty, of like's dtype."""
+    return nn.Parameter(torch.empty(0, dtype=like.dtype), requires_grad=False)
+
+
 class Linear(nn.Linear):
     """Computes like nn.Linear. After `pack_for_small_batches()` (CPU, bfloat16, where the kernel builds),
     inputs of at most skinny_gemm.MAX_ROWS rows use the packed copy: a decode step with a few sequences is
@@ -49,7 +54,7 @@ class Linear(nn.Linear):
             return True
         self.packed = skinny_gemm.PackedWeight.of(self.weight, out)
         if self.packed is not None and skinny_gemm.takes_every_batch():
-            self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
+            self.weight = empty_weight(self.weight)
         return self.packed is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -19,7 +19,7 @@ from pagedserve.executor.forward_context import get_attention_metadata, get_lora
 from pagedserve.kernels import fused_ops, quant_gemm, skinny_gemm
 from pagedserve.kernels.decode_layers import DecodeLayers
 from pagedserve.layers.activation import silu_and_mul
-from pagedserve.layers.linear import Linear
+from pagedserve.layers.linear import Linear, empty_weight
 from pagedserve.layers.norm import RMSNorm
 from pagedserve.layers.rotary import RotaryEmbedding, apply_rotary
 from pagedserve.layers.vocab_embedding import VocabEmbedding
@@ -216,7 +216,7 @@ class LlamaForCausalLM(nn.Module):
             layer.self_attn.kv_scales = kv_scales[i] if kv_scales is not None else None
 
     def _hold_lm_head_packed_only(self) -> None:
-        empty = torch.nn.Parameter(torch.empty(0, dtype=self.lm_head_weight.dtype), requires_grad=False)
+        empty = empty_weight(self.lm_head_weight)
         if self.tie_word_embeddings:
             self.model.embed_tokens.packed = self._packed_lm_head
             self.model.embed_tokens.weight = empty

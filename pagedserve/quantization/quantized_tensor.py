@@ -105,6 +105,7 @@ class QuantizedParts:
 
     def _attach(self, target: str, tensors: list[QuantizedTensor]) -> None:
         from pagedserve.kernels.quant_gemm import QuantizedWeight
+        from pagedserve.layers.linear import empty_weight
 
         module = self._model.get_submodule(target.removesuffix(".weight"))
         if len({_storage(t) for t in tensors}) == 1:
@@ -120,7 +121,7 @@ class QuantizedParts:
                 [QuantizedWeight.pack(t.codes, t.scales, t.offsets, t.kind, t.source, super_scales=t.super_scales,
                                       group_scales=t.group_scales) for t in tensors], allocate=self._allocate)
         module.input_order = tensors[0].input_order
-        module.weight = torch.nn.Parameter(torch.empty(0, dtype=module.weight.dtype), requires_grad=False)
+        module.weight = empty_weight(module.weight)
 
 
 def _storage(tensor: QuantizedTensor) -> tuple[int, bool, Optional[int]]:
