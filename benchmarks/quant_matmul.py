@@ -1,7 +1,8 @@
 """The matmuls of one step of a model, bf16 weights against block-quantized ones, by batch size.
 
 For each row count M, the time of every linear of the decoder layers once, as a step runs them: bf16 through the
-small-batch kernel (M <= 32) or torch (above), against the quantized matmul on weights of the same shapes stored
+small-batch kernel where the engine uses it (M <= 32, or every M where skinny_gemm.takes_every_batch(): the
+AVX-512 BF16 layout) or torch (otherwise), against the quantized matmul on weights of the same shapes stored
 as the loader stores each GGUF type (random codes; the time does not depend on the values): Q8_0 (kind 8) and
 Q4_1 (kind 4) with float16 scales, Q4_0 (kind 4 symmetric: no offsets), and, where every linear's inputs are a
 multiple of 256, Q4_K (kind 4) and Q6_K (kind 6) with their super-block scales; otherwise kind 6 with float32
@@ -95,7 +96,8 @@ def main() -> None:
     print("|---" * (2 + 2 * len(names)) + "|")
     for m in (int(r) for r in args.rows.split(",")):
         x = {k: torch.randn(m, k).bfloat16() for _, k in shapes}
-        if m <= skinny_gemm.MAX_ROWS and all(p is not None for p, _ in packed):
+        if ((m <= skinny_gemm.MAX_ROWS or skinny_gemm.takes_every_batch())
+                and all(p is not None for p, _ in packed)):
             base = [(lambda t, p=p: skinny_gemm.linear(t, p), k) for p, k in packed]
         else:
             base = [(lambda t, w=w: torch.nn.functional.linear(t, w), k) for w, k in bf16]
