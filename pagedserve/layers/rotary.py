@@ -27,7 +27,8 @@ def inverse_frequencies(hf_config, head_dim: int) -> tuple[torch.Tensor, float]:
 
     if rope_type not in ROPE_INIT_FUNCTIONS:
         raise ValueError(f"unsupported rope type {rope_type!r}; supported: default, {', '.join(ROPE_INIT_FUNCTIONS)}")
-    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, "cpu")
+    with torch.device("cpu"):  # for real even while the model is built on the meta device: a bad factor is then
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, "cpu")  # a TypeError, not a meta copy error
     return inv_freq.float(), float(scaling)
 
 
