@@ -18,6 +18,6 @@ def test_scaled_rope_tables_are_computed_on_the_cpu_while_the_model_is_built_on_
 
 
 def test_a_rope_factor_of_none_is_a_type_error_even_on_meta_not_a_meta_copy_error():
-    # the loader turns TypeError into a ValueError naming config.json; a meta-tensor NotImplementedError escaped it
+    # TypeError is one of the loader's _BUILD_ERRORS, which it reports as a ValueError naming config.json
     with torch.device("meta"), pytest.raises(TypeError):
         inverse_frequencies(_config(None), 16)
