@@ -5,8 +5,8 @@
 
 Adds N requests of 128 random prompt ids (W1's prompts), runs until every prompt is computed, then times
 --steps decode steps with wall-clock timers around the C kernels (decode attention, RoPE + KV write,
-RMSNorm), SwiGLU, the sampler and, with --time-linear, every linear layer (timing them through F.linear,
-which bypasses the small-batch kernel, so the step total is reported from a run without that timer).
+RMSNorm, SwiGLU where it is not fused into the gate/up matmul), the sampler and, with --time-linear, the
+matmuls (the packed kernel's calls, the one ending in SwiGLU, and torch's F.linear where a layer uses it).
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ def main() -> None:
 
     import pagedserve.attention.cpu_decode as cpu_decode
     import pagedserve.kernels.fused_ops as fused_ops
-    import pagedserve.models.llama as llama
+    import pagedserve.kernels.skinny_gemm as skinny_gemm
+    import pagedserve.layers.linear as linear
     from pagedserve.benchmarks.throughput import make_prompts
     from pagedserve.llm import LLM
     from pagedserve.sampling_params import SamplingParams
@@ -62,14 +63,12 @@ def main() -> None:
     timed(cpu_decode, "decode_attention", "decode attention (C)")
     timed(fused_ops, "rotary_and_cache", "RoPE + KV write (C)")
     timed(fused_ops, "rms_norm", "RMSNorm + residual (C)")
-    timed(llama, "silu_and_mul", "SwiGLU (torch)")
+    timed(linear, "silu_and_mul", "SwiGLU, not fused (C or torch)")
     timed(type(engine.runner.sampler), "__call__", "sampler")
     if args.time_linear:
-        for module in engine.runner.model.modules():
-            if isinstance(module, torch.nn.Linear):
-                module.forward = (lambda m: lambda x: torch.nn.functional.linear(x, m.weight, m.bias))(module)
-        timed(engine.runner.model, "forward", "model forward")
-        timed(torch.nn.functional, "linear", "linear layers + LM head (torch)")
+        timed(skinny_gemm, "linear", "matmuls, packed kernel")
+        timed(skinny_gemm, "linear_swiglu", "gate/up matmul + SwiGLU, packed")
+        timed(linear.F, "linear", "matmuls, torch")
     start = time.perf_counter()
     for _ in range(args.steps):
         engine.step()

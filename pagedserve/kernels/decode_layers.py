@@ -33,7 +33,7 @@ _P, _I64, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
 class _Kernels(ctypes.Structure):
     _fields_ = [(name, _P) for name in ("rms_norm", "gemm", "gemm_accumulate", "rotary", "attention", "swiglu",
-                                        "quant_gemm")]
+                                        "quant_gemm", "gemm_swiglu")]
 
 
 class _Layer(ctypes.Structure):
@@ -113,10 +113,13 @@ class DecodeLayers:
         if library is None:
             return None
         ops, gemm, attention, quantized = fused_ops._lib(), skinny_gemm._lib(), cpu_decode.load(), quant_gemm._lib()
+        # gate/up ending in SwiGLU where the kernel has that pass (whole column blocks in each half)
+        gate_up_swiglu = gemm.fuses_swiglu() and (2 * layers[0].mlp.down_proj.in_features) % 32 == 0
         kernels = _Kernels(_address(ops, "rms_norm"), _address(gemm, "skinny_gemm"),
                            _address(gemm, "skinny_gemm_accumulate"), _address(ops, "rotary_and_cache"),
                            _address(attention, cpu_decode.function_name(torch.bfloat16, attn.key_cache.dtype)),
-                           _address(ops, "swiglu"), _address(quantized, "quant_gemm") if quantized else None)
+                           _address(ops, "swiglu"), _address(quantized, "quant_gemm") if quantized else None,
+                           _address(gemm, "skinny_gemm_swiglu") if gate_up_swiglu else None)
         table = (_Layer * len(layers))(*[_layer_struct(layer) for layer in layers])
         shape = _Shape(model.config.hidden_size, attn.num_heads, attn.num_kv_heads, attn.head_dim,
                        layers[0].mlp.down_proj.in_features, attn.value_cache.shape[2],

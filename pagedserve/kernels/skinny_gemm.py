@@ -48,7 +48,9 @@ def _lib() -> Optional[ctypes.CDLL]:
         library.packed_rows.restype = _INT
         library.skinny_gemm.argtypes = [_P, _P, _P, _P, _I64, _I64, _I64, _INT]
         library.skinny_gemm_accumulate.argtypes = [_P, _P, _P, _I64, _I64, _I64, _INT]
+        library.skinny_gemm_swiglu.argtypes = [_P, _P, _P, _P, _I64, _I64, _I64, _INT]
         library.pack_weight.restype = library.skinny_gemm.restype = library.skinny_gemm_accumulate.restype = _INT
+        library.skinny_gemm_swiglu.restype = library.fuses_swiglu.restype = _INT
         library._layout = library.packed_layout() if library.available() else 0
     return library if library._layout else None
 
@@ -111,6 +113,29 @@ def linear(x: torch.Tensor, packed: PackedWeight, bias: Optional[torch.Tensor] =
     if status != 0:
         raise RuntimeError(f"skinny_gemm failed (status {status})")
     return y
+
+
+def fuses_swiglu(packed: PackedWeight) -> bool:
+    """Whether `linear_swiglu` takes this packed fused gate/up weight (the AVX-512 BF16 layout, whole column
+    blocks in each half)."""
+    library = _lib()
+    return library is not None and bool(library.fuses_swiglu()) and packed.out_features % 32 == 0
+
+
+def linear_swiglu(x: torch.Tensor, packed: PackedWeight, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x [M, K] bf16 and a fused gate/up weight [2 * D, K] (gate first) -> silu(gate) * up [M, D] bf16, bit for bit
+    what `linear` then fused_ops.swiglu give, without storing the [M, 2 * D] projection. Requires fuses_swiglu."""
+    x = x.contiguous()
+    m = x.shape[0]
+    act = torch.empty(m, packed.out_features // 2, dtype=torch.bfloat16)
+    if bias is not None:
+        bias = bias.detach().contiguous()
+    status = _library_for(packed).skinny_gemm_swiglu(
+        x.data_ptr(), packed.data.data_ptr(), bias.data_ptr() if bias is not None else None, act.data_ptr(), m,
+        packed.out_features, packed.in_features, torch.get_num_threads())
+    if status != 0:
+        raise RuntimeError(f"skinny_gemm_swiglu failed (status {status})")
+    return act
 
 
 def linear_accumulate(x: torch.Tensor, packed: PackedWeight, out: torch.Tensor) -> None:

@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.executor.forward_context import get_lora_mapping
-from pagedserve.kernels import quant_gemm, skinny_gemm
+from pagedserve.kernels import fused_ops, quant_gemm, skinny_gemm
+from pagedserve.layers.activation import silu_and_mul
 
 if TYPE_CHECKING:
     from pagedserve.kernels.quant_gemm import QuantizedWeight
@@ -56,6 +57,16 @@ class Linear(nn.Linear):
         if self.packed is not None and skinny_gemm.takes_every_batch():
             self.weight = empty_weight(self.weight)
         return self.packed is not None
+
+    def forward_swiglu(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of this fused gate/up projection (gate rows first) of x: silu_and_mul(self(x)) bit for
+        bit. Where the packed kernel ends in SwiGLU (skinny_gemm.fuses_swiglu) and no adapter delta is due, one
+        pass that never stores the projection."""
+        if (self.packed is not None and self.quantized is None and x.dim() == 2 and fused_ops.fuses_swiglu(x)
+                and (self.held_packed_only or x.shape[0] <= skinny_gemm.MAX_ROWS)
+                and (self.lora is None or get_lora_mapping() is None) and skinny_gemm.fuses_swiglu(self.packed)):
+            return skinny_gemm.linear_swiglu(x, self.packed, self.bias)
+        return silu_and_mul(self(x))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quantized is not None:

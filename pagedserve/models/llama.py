@@ -18,7 +18,6 @@ from pagedserve.executor.cpu_allocator import HugePageArena, huge_page_zeros
 from pagedserve.executor.forward_context import get_attention_metadata, get_lora_mapping
 from pagedserve.kernels import fused_ops, quant_gemm, skinny_gemm
 from pagedserve.kernels.decode_layers import DecodeLayers
-from pagedserve.layers.activation import silu_and_mul
 from pagedserve.layers.linear import Linear, empty_weight
 from pagedserve.layers.norm import RMSNorm
 from pagedserve.layers.rotary import RotaryEmbedding, apply_rotary
@@ -80,7 +79,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.gate_up_proj.forward_swiglu(x))
 
 
 class LlamaDecoderLayer(nn.Module):

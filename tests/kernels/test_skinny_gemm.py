@@ -130,3 +130,38 @@ def test_rows_of_a_packed_table_are_its_rows_exactly(isa):
     for bad in (48, -1):
         with pytest.raises(IndexError, match="ids must lie in 0..47"):
             skinny_gemm.rows(torch.tensor([2, bad]), packed)
+
+
+@pytest.mark.parametrize("rows", [1, 11, 12, 13, 40, 257])
+@pytest.mark.parametrize("bias", [False, True])
+def test_matmul_ending_in_swiglu_gives_the_bits_of_the_matmul_then_swiglu(isa, rows, bias):
+    from pagedserve.kernels import fused_ops
+
+    g = torch.Generator().manual_seed(rows)
+    weight = torch.randn(2 * 48, 160, generator=g).bfloat16()  # gate rows, then up rows
+    b = torch.randn(2 * 48, generator=g).bfloat16() if bias else None
+    x = (4 * torch.randn(rows, 160, generator=g)).bfloat16()  # gates well into both tails of silu
+    packed = packed_or_skip(weight, isa)
+    if not skinny_gemm.fuses_swiglu(packed):
+        pytest.skip(f"{isa}: the SwiGLU epilogue is on the AVX-512 BF16 layout only (layers fall back to matmul "
+                    "then SwiGLU)")
+    fused = skinny_gemm.linear_swiglu(x, packed, b)
+    assert torch.equal(fused, fused_ops.swiglu(skinny_gemm.linear(x, packed, b)))
+    gate, up = torch.nn.functional.linear(x.float(), weight.float(), b.float() if bias else None).chunk(2, dim=-1)
+    assert torch.allclose(fused.float(), torch.nn.functional.silu(gate) * up, rtol=3e-2, atol=3e-2)
+
+
+def test_swiglu_epilogue_refuses_halves_that_are_not_whole_column_blocks(isa):
+    packed = packed_or_skip(torch.randn(48, 64).bfloat16(), isa)  # halves of 24 columns
+    assert not skinny_gemm.fuses_swiglu(packed)
+
+
+@pytest.mark.parametrize("rows", [3, 40, 300])
+def test_gate_up_layer_gives_silu_and_mul_of_its_output_bit_for_bit(isa, rows):
+    from pagedserve.layers.activation import silu_and_mul
+
+    layer = Linear(96, 2 * 64, bias=True).to(torch.bfloat16)
+    x = torch.randn(rows, 96).bfloat16()
+    assert torch.equal(layer.forward_swiglu(x), silu_and_mul(layer(x)))  # plain weight: torch, then SwiGLU
+    layer.pack_for_small_batches()  # where the kernel builds: packed (only, on avx512_bf16), maybe fused
+    assert torch.equal(layer.forward_swiglu(x), silu_and_mul(layer(x)))

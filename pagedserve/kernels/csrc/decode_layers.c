@@ -47,6 +47,7 @@ typedef struct {
     attention_fn attention;
     swiglu_fn swiglu;
     quant_gemm_fn quant_gemm; /* for block-quantized weights (quant_gemm.c) */
+    gemm_fn gemm_swiglu;      /* the gate/up matmul ending in SwiGLU (skinny_gemm_swiglu), or NULL: gemm, swiglu */
 } Kernels;
 
 typedef struct { /* one layer's weights (packed for the gemm; biases NULL when absent) and its KV cache (the
@@ -152,10 +153,13 @@ static int layer(const Kernels *k, const Layer *w, const LayerLoRA *lora, const 
                                   w->orders[1])))
         return status;
     if ((status = k->rms_norm(st->hidden, st->residual, w->post_norm, h, m, s->hidden, s->eps, 1, t))) return status;
-    if ((status = linear(k, st, lora ? &lora->gate_up : NULL, h, w->gate_up, w->gate_up_bias, gate_up,
-                         2 * s->intermediate, s->hidden, w->kinds[2], w->orders[2])))
-        return status;
-    if ((status = k->swiglu(gate_up, act, m, s->intermediate, 1, t))) return status;
+    if (k->gemm_swiglu && !w->kinds[2] && !lora) { /* the same bits as the two calls below, in one pass */
+        status = k->gemm_swiglu(h, w->gate_up, w->gate_up_bias, act, m, 2 * s->intermediate, s->hidden, t);
+    } else if (!(status = linear(k, st, lora ? &lora->gate_up : NULL, h, w->gate_up, w->gate_up_bias, gate_up,
+                                 2 * s->intermediate, s->hidden, w->kinds[2], w->orders[2]))) {
+        status = k->swiglu(gate_up, act, m, s->intermediate, 1, t);
+    }
+    if (status) return status;
     return linear(k, st, lora ? &lora->down : NULL, act, w->down, w->down_bias, st->hidden, s->hidden, s->intermediate,
                   w->kinds[3], w->orders[3]);
 }

@@ -12,8 +12,8 @@
 #include <string.h>
 
 #include "bf16.h"
-#include "fast_exp.h"
 #include "kv_quant.h"
+#include "swiglu.h"
 
 /* Below this many elements a single thread is faster than waking the pool. */
 #define PARALLEL_MIN_ELEMS 32768
@@ -166,19 +166,15 @@ int rotary_and_cache(void *qkv, int64_t row_stride, const int64_t *positions, co
     return 0;
 }
 
-/* SwiGLU of one row of a fused gate/up projection [2 * d] (gate first): out[i] = round(round(silu(g)) * u), with
- * silu(g) = g / (1 + exp(-g)) in float32 as torch computes it (exp of a non-positive argument only, so that it
- * vectorizes: for g < 0 the same quotient is g * e / (1 + e) with e = exp(g)). The exp polynomial may differ
- * from torch's in the last float32 bit, so in bfloat16 a result can differ from torch's by one rounding step. */
+/* SwiGLU of one row of a fused gate/up projection [2 * d] (gate first): out[i] = round(round(silu(g)) * u), silu
+ * as swiglu.h computes it. */
 static inline __attribute__((always_inline)) void swiglu_row(const void *gate_up, void *out, int64_t r, int64_t d,
                                                              const int bf16) {
     const int64_t in = r * 2 * d, at = r * d;
 #pragma omp simd
     for (int64_t i = 0; i < d; ++i) {
         const float g = load_at(gate_up, in + i, bf16), u = load_at(gate_up, in + d + i, bf16);
-        const float e = exp_nonpositive(-fabsf(g));
-        const float silu = g >= 0.f ? g / (1.f + e) : g * e / (1.f + e);
-        store_at(out, at + i, round_to(silu, bf16) * u, bf16);
+        store_at(out, at + i, round_to(silu_f32(g), bf16) * u, bf16);
     }
 }
 

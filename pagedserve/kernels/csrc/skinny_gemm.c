@@ -24,6 +24,11 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16.h"
+#include "swiglu.h"
+
+enum { EPILOGUE_PLAIN, EPILOGUE_ACCUMULATE, EPILOGUE_SWIGLU };
+
 #if defined(__AVX512BF16__)
 #define LAYOUT 1         /* [N / 16][K / 2][16][2] */
 #define ROWS_PER_PASS 12 /* rows per pass over BLOCKS_PER_PASS column blocks: 24 accumulators in registers */
@@ -96,30 +101,48 @@ static inline __m512 widen16(const uint16_t *p) {
 
 /* Rows [m0, m0 + rows) of y for the `blocks` (1 or 2) column blocks from nb; rows <= ROWS_PER_PASS. Each
  * broadcast pair of x feeds both blocks and each weight vector every row: per pair of k, 2 weight loads and
- * `rows` broadcasts for 2 * rows dot products (one block of 16 rows took 17 loads for 16). With `accumulate`,
- * y's values are added to the sums before the one rounding. */
+ * `rows` broadcasts for 2 * rows dot products (one block of 16 rows took 17 loads for 16). Modes (EPILOGUE_*):
+ * plain (+ bias), accumulate (y's values added to the sums before the one rounding), or SwiGLU: the two blocks
+ * are gate block nb and up block nb of a fused gate/up weight, half the blocks apart (n / 16 of them: y is
+ * [M, n], the activation), and each pair of rounded sums becomes round(round(silu(g)) * u), as fused_ops.c's
+ * swiglu computes it from the stored projection. */
 static inline __attribute__((always_inline)) void column_blocks(const uint16_t *x, const uint16_t *packed,
                                                                const uint16_t *bias, uint16_t *y, int64_t m0,
                                                                int64_t rows, int64_t nb, int blocks, int64_t n,
-                                                               int64_t k, int accumulate) {
+                                                               int64_t k, int mode) {
     __m512 acc[BLOCKS_PER_PASS][ROWS_PER_PASS];
     for (int b = 0; b < blocks; ++b)
         for (int64_t r = 0; r < rows; ++r) acc[b][r] = _mm512_setzero_ps();
     const uint32_t *xp = (const uint32_t *)x + m0 * (k / 2); /* k pairs of each row */
     const __m512i *wp = (const __m512i *)(packed + nb * (k / 2) * 32);
+    const int64_t gap = mode == EPILOGUE_SWIGLU ? (n / 16) * (k / 2) : k / 2; /* vectors from block 0 to 1 */
     for (int64_t p = 0; p < k / 2; ++p) {
         __m512bh wv[BLOCKS_PER_PASS];
-        for (int b = 0; b < blocks; ++b) wv[b] = (__m512bh)_mm512_loadu_si512(wp + b * (k / 2) + p);
+        for (int b = 0; b < blocks; ++b) wv[b] = (__m512bh)_mm512_loadu_si512(wp + b * gap + p);
         for (int64_t r = 0; r < rows; ++r) {
             const __m512bh xv = (__m512bh)_mm512_set1_epi32((int)xp[r * (k / 2) + p]);
             for (int b = 0; b < blocks; ++b) acc[b][r] = _mm512_dpbf16_ps(acc[b][r], xv, wv[b]);
         }
     }
+    if (mode == EPILOGUE_SWIGLU) {
+        const __m512 bg = bias ? widen16(bias + nb * 16) : _mm512_setzero_ps();
+        const __m512 bu = bias ? widen16(bias + n + nb * 16) : _mm512_setzero_ps();
+        for (int64_t r = 0; r < rows; ++r) {
+            uint16_t g[16], u[16], *dst = y + (m0 + r) * n + nb * 16;
+            _mm256_storeu_si256((__m256i *)g, to_bf16(_mm512_add_ps(acc[0][r], bg)));
+            _mm256_storeu_si256((__m256i *)u, to_bf16(_mm512_add_ps(acc[1][r], bu)));
+#pragma omp simd
+            for (int i = 0; i < 16; ++i)
+                dst[i] = f32_to_bf16(bf16_to_f32(f32_to_bf16(silu_f32(bf16_to_f32(g[i])))) * bf16_to_f32(u[i]));
+        }
+        return;
+    }
     for (int b = 0; b < blocks; ++b) {
         const __m512 bv = bias ? widen16(bias + (nb + b) * 16) : _mm512_setzero_ps();
         for (int64_t r = 0; r < rows; ++r) {
             uint16_t *dst = y + (m0 + r) * n + (nb + b) * 16;
-            const __m512 sum = accumulate ? _mm512_add_ps(acc[b][r], widen16(dst)) : _mm512_add_ps(acc[b][r], bv);
+            const __m512 sum = mode == EPILOGUE_ACCUMULATE ? _mm512_add_ps(acc[b][r], widen16(dst))
+                                                           : _mm512_add_ps(acc[b][r], bv);
             _mm256_storeu_si256((__m256i *)dst, to_bf16(sum));
         }
     }
@@ -127,11 +150,11 @@ static inline __attribute__((always_inline)) void column_blocks(const uint16_t *
 
 /* Constant row and block counts let the compiler keep the accumulators in registers and unroll the loops. */
 static void column_block_any(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, uint16_t *y,
-                             int64_t m0, int64_t rows, int64_t nb, int blocks, int64_t n, int64_t k, int accumulate) {
+                             int64_t m0, int64_t rows, int64_t nb, int blocks, int64_t n, int64_t k, int mode) {
     switch (rows * 2 + blocks - 1) {
-#define CASE(R)                                                                              \
-    case 2 * R: column_blocks(x, packed, bias, y, m0, R, nb, 1, n, k, accumulate); break;     \
-    case 2 * R + 1: column_blocks(x, packed, bias, y, m0, R, nb, 2, n, k, accumulate); break;
+#define CASE(R)                                                                        \
+    case 2 * R: column_blocks(x, packed, bias, y, m0, R, nb, 1, n, k, mode); break;     \
+    case 2 * R + 1: column_blocks(x, packed, bias, y, m0, R, nb, 2, n, k, mode); break;
         CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8) CASE(9) CASE(10) CASE(11) CASE(12)
 #undef CASE
     }
@@ -192,25 +215,29 @@ static inline __attribute__((always_inline)) void column_block(const uint32_t *x
 }
 
 static void column_block_any(const uint32_t *xf, const uint16_t *packed, const uint16_t *bias, uint16_t *y,
-                             int64_t m0, int64_t rows, int64_t nb, int blocks, int64_t n, int64_t k, int accumulate) {
-    (void)blocks; /* one column block a pass here */
+                             int64_t m0, int64_t rows, int64_t nb, int blocks, int64_t n, int64_t k, int mode) {
+    (void)blocks; /* one column block a pass here; no SwiGLU mode (gemm refuses it) */
     switch (rows) {
 #define CASE(R) \
-    case R: column_block(xf, packed, bias, y, m0, R, nb, n, k, accumulate); break;
+    case R: column_block(xf, packed, bias, y, m0, R, nb, n, k, mode == EPILOGUE_ACCUMULATE); break;
         CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6)
 #undef CASE
     }
 }
 #endif
 
-/* y [M, N] = x [M, K] . w^T (+ bias [N]), or y += x . w^T with `accumulate` (then no bias), all bf16, with w
- * packed by pack_weight. Column blocks, BLOCKS_PER_PASS at a time, are split over the threads; their weights
- * stay in cache while every pass of ROWS_PER_PASS rows of x uses them. Status: 0 ok, 1 bad shape, 2 no path in this build,
+/* y [M, N] = x [M, K] . w^T (+ bias [N]), or y += x . w^T in EPILOGUE_ACCUMULATE (then no bias), all bf16, with
+ * w packed by pack_weight; in EPILOGUE_SWIGLU (the AVX-512 BF16 layout only) w is a fused gate/up weight [N, K]
+ * and y [M, N / 2] its SwiGLU. Column blocks, BLOCKS_PER_PASS at a time (a gate block and its up block in
+ * SwiGLU), are split over the threads; their weights stay in cache while every pass of ROWS_PER_PASS rows of x
+ * uses them. Status: 0 ok, 1 bad shape (or SwiGLU where the layout has no such pass), 2 no path in this build,
  * 3 out of memory. */
 static int gemm(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, uint16_t *y, int64_t m, int64_t n,
-                int64_t k, int num_threads, int accumulate) {
+                int64_t k, int num_threads, int mode) {
 #if LAYOUT != 0
     if (n % 16 || k % 2) return 1;
+    const int swiglu = mode == EPILOGUE_SWIGLU;
+    if (swiglu && (LAYOUT != 1 || n % 32)) return 1;
 #if LAYOUT == 1
     const uint16_t *xs = x;
 #else
@@ -218,31 +245,42 @@ static int gemm(const uint16_t *x, const uint16_t *packed, const uint16_t *bias,
     if (!xs) return 3;
     for (int64_t i = 0; i < m * k; ++i) xs[i] = (uint32_t)x[i] << 16; /* bf16 -> float32 bits, exact */
 #endif
-    const int64_t blocks = n / 16, passes = (blocks + BLOCKS_PER_PASS - 1) / BLOCKS_PER_PASS;
+    const int64_t blocks = n / 16, out_n = swiglu ? n / 2 : n;
+    const int64_t passes = swiglu ? blocks / 2 : (blocks + BLOCKS_PER_PASS - 1) / BLOCKS_PER_PASS;
 #pragma omp parallel for num_threads(num_threads) schedule(static)
     for (int64_t pass = 0; pass < passes; ++pass) {
-        const int64_t nb = pass * BLOCKS_PER_PASS;
-        const int these = blocks - nb < BLOCKS_PER_PASS ? (int)(blocks - nb) : BLOCKS_PER_PASS;
+        const int64_t nb = swiglu ? pass : pass * BLOCKS_PER_PASS;
+        const int these = swiglu ? 2 : blocks - nb < BLOCKS_PER_PASS ? (int)(blocks - nb) : BLOCKS_PER_PASS;
         for (int64_t m0 = 0; m0 < m; m0 += ROWS_PER_PASS)
             column_block_any(xs, packed, bias, y, m0, m - m0 < ROWS_PER_PASS ? m - m0 : ROWS_PER_PASS, nb, these,
-                             n, k, accumulate);
+                             out_n, k, mode);
     }
 #if LAYOUT == 2
     free(xs);
 #endif
     return 0;
 #else
-    (void)x, (void)packed, (void)bias, (void)y, (void)m, (void)n, (void)k, (void)num_threads, (void)accumulate;
+    (void)x, (void)packed, (void)bias, (void)y, (void)m, (void)n, (void)k, (void)num_threads, (void)mode;
     return 2;
 #endif
 }
 
 int skinny_gemm(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, uint16_t *y, int64_t m,
                 int64_t n, int64_t k, int num_threads) {
-    return gemm(x, packed, bias, y, m, n, k, num_threads, 0);
+    return gemm(x, packed, bias, y, m, n, k, num_threads, EPILOGUE_PLAIN);
 }
 
 int skinny_gemm_accumulate(const uint16_t *x, const uint16_t *packed, uint16_t *y, int64_t m, int64_t n, int64_t k,
                            int num_threads) {
-    return gemm(x, packed, NULL, y, m, n, k, num_threads, 1);
+    return gemm(x, packed, NULL, y, m, n, k, num_threads, EPILOGUE_ACCUMULATE);
 }
+
+/* act [M, N / 2] = SwiGLU(x . w^T (+ bias)) for a fused gate/up weight w [N, K] (gate rows first), without
+ * storing the projection: the same bits as skinny_gemm then fused_ops.c's swiglu. */
+int skinny_gemm_swiglu(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, uint16_t *act, int64_t m,
+                       int64_t n, int64_t k, int num_threads) {
+    return gemm(x, packed, bias, act, m, n, k, num_threads, EPILOGUE_SWIGLU);
+}
+
+/* Whether skinny_gemm_swiglu has a path in this build. */
+int fuses_swiglu(void) { return LAYOUT == 1; }
