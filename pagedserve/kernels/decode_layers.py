@@ -113,8 +113,8 @@ class DecodeLayers:
         if library is None:
             return None
         ops, gemm, attention, quantized = fused_ops._lib(), skinny_gemm._lib(), cpu_decode.load(), quant_gemm._lib()
-        # gate/up ending in SwiGLU where the kernel has that pass (whole column blocks in each half)
-        gate_up_swiglu = gemm.fuses_swiglu() and (2 * layers[0].mlp.down_proj.in_features) % 32 == 0
+        gate_up = layers[0].mlp.gate_up_proj.packed  # the C loop ends bf16 gate/up matmuls in SwiGLU where it can
+        gate_up_swiglu = gate_up is not None and skinny_gemm.fuses_swiglu(gate_up)
         kernels = _Kernels(_address(ops, "rms_norm"), _address(gemm, "skinny_gemm"),
                            _address(gemm, "skinny_gemm_accumulate"), _address(ops, "rotary_and_cache"),
                            _address(attention, cpu_decode.function_name(torch.bfloat16, attn.key_cache.dtype)),

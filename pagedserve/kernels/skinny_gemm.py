@@ -102,16 +102,21 @@ def _library_for(packed: PackedWeight) -> ctypes.CDLL:
 
 def linear(x: torch.Tensor, packed: PackedWeight, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x [M, K] bf16 -> [M, N] bf16 (fp32 sums, rounded once, bias added before rounding)."""
+    return _call("skinny_gemm", x, packed, bias, packed.out_features)
+
+
+def _call(name: str, x: torch.Tensor, packed: PackedWeight, bias: Optional[torch.Tensor],
+          out_width: int) -> torch.Tensor:
+    """The library's `name` (skinny_gemm's signature) on x and packed -> a new [M, out_width] bf16 tensor."""
     x = x.contiguous()
-    m = x.shape[0]
-    library = _library_for(packed)
-    y = torch.empty(m, packed.out_features, dtype=torch.bfloat16)
+    y = torch.empty(x.shape[0], out_width, dtype=torch.bfloat16)
     if bias is not None:
         bias = bias.detach().contiguous()
-    status = library.skinny_gemm(x.data_ptr(), packed.data.data_ptr(), bias.data_ptr() if bias is not None else None,
-                                y.data_ptr(), m, packed.out_features, packed.in_features, torch.get_num_threads())
+    status = getattr(_library_for(packed), name)(
+        x.data_ptr(), packed.data.data_ptr(), bias.data_ptr() if bias is not None else None, y.data_ptr(),
+        x.shape[0], packed.out_features, packed.in_features, torch.get_num_threads())
     if status != 0:
-        raise RuntimeError(f"skinny_gemm failed (status {status})")
+        raise RuntimeError(f"{name} failed (status {status})")
     return y
 
 
@@ -125,17 +130,7 @@ def fuses_swiglu(packed: PackedWeight) -> bool:
 def linear_swiglu(x: torch.Tensor, packed: PackedWeight, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x [M, K] bf16 and a fused gate/up weight [2 * D, K] (gate first) -> silu(gate) * up [M, D] bf16, bit for bit
     what `linear` then fused_ops.swiglu give, without storing the [M, 2 * D] projection. Requires fuses_swiglu."""
-    x = x.contiguous()
-    m = x.shape[0]
-    act = torch.empty(m, packed.out_features // 2, dtype=torch.bfloat16)
-    if bias is not None:
-        bias = bias.detach().contiguous()
-    status = _library_for(packed).skinny_gemm_swiglu(
-        x.data_ptr(), packed.data.data_ptr(), bias.data_ptr() if bias is not None else None, act.data_ptr(), m,
-        packed.out_features, packed.in_features, torch.get_num_threads())
-    if status != 0:
-        raise RuntimeError(f"skinny_gemm_swiglu failed (status {status})")
-    return act
+    return _call("skinny_gemm_swiglu", x, packed, bias, packed.out_features // 2)
 
 
 def linear_accumulate(x: torch.Tensor, packed: PackedWeight, out: torch.Tensor) -> None:

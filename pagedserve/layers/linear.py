@@ -62,17 +62,21 @@ class Linear(nn.Linear):
         """silu(gate) * up of this fused gate/up projection (gate rows first) of x: silu_and_mul(self(x)) bit for
         bit. Where the packed kernel ends in SwiGLU (skinny_gemm.fuses_swiglu) and no adapter delta is due, one
         pass that never stores the projection."""
-        if (self.packed is not None and self.quantized is None and x.dim() == 2 and fused_ops.fuses_swiglu(x)
-                and (self.held_packed_only or x.shape[0] <= skinny_gemm.MAX_ROWS)
+        if (self.quantized is None and x.dim() == 2 and self._uses_packed(x) and fused_ops.fuses_swiglu(x)
                 and (self.lora is None or get_lora_mapping() is None) and skinny_gemm.fuses_swiglu(self.packed)):
             return skinny_gemm.linear_swiglu(x, self.packed, self.bias)
         return silu_and_mul(self(x))
+
+    def _uses_packed(self, x: torch.Tensor) -> bool:
+        """Whether x goes through the packed copy (when the weight is not kept quantized)."""
+        return self.packed is not None and (self.held_packed_only
+                                            or (x.dim() == 2 and x.shape[0] <= skinny_gemm.MAX_ROWS))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quantized is not None:
             rows = x.reshape(-1, x.shape[-1])
             out = quant_gemm.linear(rows, self.quantized, self.bias, self.input_order).view(*x.shape[:-1], -1)
-        elif self.packed is not None and (self.held_packed_only or (x.dim() == 2 and x.shape[0] <= skinny_gemm.MAX_ROWS)):
+        elif self._uses_packed(x):
             rows = x.reshape(-1, x.shape[-1])
             out = skinny_gemm.linear(rows, self.packed, self.bias).view(*x.shape[:-1], -1)
         else:
