@@ -6,6 +6,11 @@ Prints the GEMM rate on the default model's own shapes (256 rows, as in a full d
 in a prefill step), the copy and read bandwidths, the FLOPs one W1 run needs (from the model's config), the
 output tok/s that the matmul rate alone allows (no engine can beat that bound on this machine), and the FLOPs
 and bytes of one steady decode step.
+
+The GEMM rate is measured twice in bfloat16: torch's linear (the BLAS that vLLM's CPU build also runs) and
+pagedserve's packed kernel (kernels/skinny_gemm.py, which bf16 layers use for every batch on AVX-512 BF16
+CPUs). The bound takes the faster of the two at each row count: on a CPU where the packed kernel is well ahead
+(AMD Zen 5: 2 BF16 dot products a cycle), a bound from torch's rate would be one that engines already beat.
 """
 
 from __future__ import annotations
@@ -25,6 +30,24 @@ def gemm_rate(rows: int, shapes: list[tuple[int, int]], dtype: torch.dtype, repe
     for _ in range(repeats):
         for x, w in pairs:
             torch.nn.functional.linear(x, w)
+    seconds = (time.perf_counter() - start) / repeats
+    return sum(2 * rows * n * k for n, k in shapes) / seconds / 1e9
+
+
+def packed_gemm_rate(rows: int, shapes: list[tuple[int, int]], repeats: int = 10) -> float | None:
+    """GFLOP/s of the same matmuls through pagedserve's packed bf16 kernel, or None where it has no path."""
+    from pagedserve.kernels import skinny_gemm
+
+    pairs = [(torch.randn(rows, k, dtype=torch.bfloat16), skinny_gemm.PackedWeight.of(torch.randn(n, k).bfloat16()))
+             for n, k in shapes]
+    if any(packed is None for _, packed in pairs):
+        return None
+    for x, packed in pairs:
+        skinny_gemm.linear(x, packed)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        for x, packed in pairs:
+            skinny_gemm.linear(x, packed)
     seconds = (time.perf_counter() - start) / repeats
     return sum(2 * rows * n * k for n, k in shapes) / seconds / 1e9
 
@@ -67,8 +90,13 @@ def main() -> None:
     layer_params = sum(n * k for n, k in layer_shapes) * layers
     dtype = getattr(torch, args.dtype)
 
-    decode_rate = gemm_rate(256, layer_shapes + [(vocab, h)], dtype)
-    prefill_rate = gemm_rate(2048, layer_shapes, dtype)
+    decode_rate = torch_decode_rate = gemm_rate(256, layer_shapes + [(vocab, h)], dtype)
+    prefill_rate = torch_prefill_rate = gemm_rate(2048, layer_shapes, dtype)
+    packed = None
+    if dtype == torch.bfloat16:
+        packed = (packed_gemm_rate(256, layer_shapes + [(vocab, h)]), packed_gemm_rate(2048, layer_shapes))
+        if packed[0] is not None:
+            decode_rate, prefill_rate = max(decode_rate, packed[0]), max(prefill_rate, packed[1])
     bandwidth = copy_bandwidth()
     read_bw = read_bandwidth()
 
@@ -82,12 +110,15 @@ def main() -> None:
     bound_s = (prefill_flops + attn_flops / 2) / (prefill_rate * 1e9) + (decode_flops + lm_head_flops + attn_flops / 2) / (decode_rate * 1e9)
 
     print(f"threads {torch.get_num_threads()}  dtype {args.dtype}")
-    print(f"GEMM rate, model shapes, 256 rows (decode step):  {decode_rate:7.1f} GFLOP/s")
-    print(f"GEMM rate, model shapes, 2048 rows (prefill step): {prefill_rate:7.1f} GFLOP/s")
+    print(f"GEMM rate, model shapes, 256 rows (decode step):  {torch_decode_rate:7.1f} GFLOP/s torch" +
+          (f", {packed[0]:7.1f} packed kernel" if packed and packed[0] else ""))
+    print(f"GEMM rate, model shapes, 2048 rows (prefill step): {torch_prefill_rate:7.1f} GFLOP/s torch" +
+          (f", {packed[1]:7.1f} packed kernel" if packed and packed[1] else ""))
     print(f"copy bandwidth (read + write):                     {bandwidth:7.1f} GB/s")
     print(f"W1 work: prefill {prefill_flops / 1e12:.2f} + decode {decode_flops / 1e12:.2f} + lm_head "
           f"{lm_head_flops / 1e12:.2f} + attention {attn_flops / 1e12:.2f} = {total / 1e12:.2f} TFLOP")
-    print(f"matmul-bound time {bound_s:.1f} s -> at most {n * o / bound_s:.0f} output tok/s")
+    print(f"matmul-bound time at the faster rates ({decode_rate:.0f} / {prefill_rate:.0f} GFLOP/s) {bound_s:.1f} s "
+          f"-> at most {n * o / bound_s:.0f} output tok/s")
 
     # One steady decode step of W1: all n sequences at the mean context.
     elem = torch.tensor([], dtype=dtype).element_size()

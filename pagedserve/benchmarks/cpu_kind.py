@@ -1,5 +1,7 @@
 """Name the CPU a benchmark ran on: every number in docs/benchmarks.md says which of the project's CPU kinds
-(AMX-BF16, AVX-512 with AVX512-BF16, AVX-512 only, AVX2 only) produced it."""
+(AMX-BF16, AVX-512 with AVX512-BF16, AVX-512 only, AVX2 only) produced it, and for AMD which core
+generation: a VM's model name is often just "AMD EPYC", and Zen 5 runs 512-bit vectors at twice Zen 4's rate
+(two BF16 dot products a cycle instead of one), which changes every kernel's numbers."""
 
 from __future__ import annotations
 
@@ -9,18 +11,33 @@ KINDS = (("amx_bf16", "AMX-BF16"), ("avx512_bf16", "AVX-512 + AVX512-BF16, no AM
          ("avx512f", "AVX-512, no native bf16"), ("avx2", "AVX2 + FMA only, no native bf16"))
 
 
+def amd_core(family: int, flags: set[str]) -> str | None:
+    """The Zen generation of an AMD CPU family (/proc/cpuinfo's decimal 'cpu family'), or None if unknown."""
+    if family == 0x17:
+        return "Zen 1-2"
+    if family == 0x19:
+        return "Zen 4" if "avx512f" in flags else "Zen 3"
+    if family == 0x1A:
+        return "Zen 5"
+    return None
+
+
 def _cpuinfo() -> tuple[str, set[str]]:
-    model, flags = "unknown CPU", set()
+    """(model name, with the Zen generation for AMD; the first processor's flags)."""
+    fields: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("model name") and model == "unknown CPU":
-                    model = line.split(":", 1)[1].strip()
-                elif line.startswith("flags") and not flags:
-                    flags = set(line.split(":", 1)[1].split())
+                key, _, value = line.partition(":")
+                if not line.strip():
+                    break  # the first processor is enough
+                fields.setdefault(key.strip(), value.strip())
     except OSError:
         pass
-    return model, flags
+    model, flags = fields.get("model name", "unknown CPU"), set(fields.get("flags", "").split())
+    family = fields.get("cpu family", "")
+    core = amd_core(int(family), flags) if fields.get("vendor_id") == "AuthenticAMD" and family.isdigit() else None
+    return (f"{model} ({core})" if core and core not in model else model), flags
 
 
 def cpu_kind_flag() -> str:
