@@ -35,8 +35,9 @@ def build_tokenizer(path: str):
     return fast
 
 
-def build_tiny_model(path: str, arch: str = "llama", seed: int = 0, tie: bool = False) -> str:
-    """A 2-layer random-weight Llama or Qwen2 with the small tokenizer, saved as safetensors."""
+def build_tiny_model(path: str, arch: str = "llama", seed: int = 0, tie: bool = False, **config) -> str:
+    """A 2-layer random-weight Llama or Qwen2 with the small tokenizer, saved as safetensors; `config` overrides
+    the config's fields (e.g. hidden_size and num_attention_heads for another head_dim)."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     tokenizer = build_tokenizer(path)
@@ -44,6 +45,7 @@ def build_tiny_model(path: str, arch: str = "llama", seed: int = 0, tie: bool = 
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
                   initializer_range=0.1, tie_word_embeddings=tie, bos_token_id=tokenizer.bos_token_id,
                   eos_token_id=tokenizer.eos_token_id, torch_dtype="float32")
+    common.update(config)
     torch.manual_seed(seed)
     if arch == "llama":
         model = LlamaForCausalLM(LlamaConfig(**common, rope_theta=10000.0))

@@ -4,8 +4,9 @@ import random
 
 import pytest
 
-from conftest import assert_no_leaked_blocks
+from conftest import assert_no_leaked_blocks, build_tiny_model
 from pagedserve import LLM, SamplingParams
+from pagedserve.kernels import build
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
@@ -54,6 +55,35 @@ def test_preemption_with_a_tiny_pool_gives_the_same_results(tiny_llama_dir, llm)
     assert small.engine.scheduler.num_preemptions_total > 0
     assert sum(o.metrics.num_preemptions for o in outputs) > 0
     assert_no_leaked_blocks(small.engine)
+
+
+@pytest.fixture(scope="module")
+def head_dim_64_dir(tmp_path_factory):
+    """head_dim 64 (4 heads over 2 KV heads): a shape the CPU attention kernel computes prompts for in tiles."""
+    return build_tiny_model(str(tmp_path_factory.mktemp("tiny_llama_hd64")), "llama", hidden_size=256,
+                            intermediate_size=256, num_attention_heads=4, num_key_value_heads=2)
+
+
+def test_bf16_prompt_tiles_chunking_and_preemption_give_the_same_results(head_dim_64_dir):
+    """In bfloat16 a prompt's tokens go through the attention kernel's tiles, a decode's alone; chunks of 7
+    tokens (tiles of up to 7) and recomputation after preemption (tiles over prompt and generated tokens) must
+    give every request the tokens and logprobs of one unchunked run."""
+    if build.cpu_isa() != "avx512_bf16":
+        pytest.skip(f"bf16 rows are batch-invariant only where the packed matmul takes every batch (avx512_bf16); "
+                    f"at the {build.cpu_isa()} level torch's BLAS computes large batches")
+    batch = prompts(12, seed=9, lo=20, hi=90)
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=2)
+    common = dict(dtype="bfloat16", max_model_len=128)
+    whole = LLM(head_dim_64_dir, **common, kv_cache_memory_bytes=1 << 24)
+    expected = whole.generate(batch, params, use_tqdm=False)
+    chunked = LLM(head_dim_64_dir, **common, kv_cache_memory_bytes=1 << 24, max_num_batched_tokens=7)
+    small = LLM(head_dim_64_dir, **common, kv_cache_memory_bytes=10 * small_block_bytes(whole))
+    for engine in (chunked, small):
+        outputs = engine.generate(batch, params, use_tqdm=False)
+        assert token_ids(outputs) == token_ids(expected)
+        assert [o.outputs[0].logprobs for o in outputs] == [o.outputs[0].logprobs for o in expected]
+        assert_no_leaked_blocks(engine.engine)
+    assert small.engine.scheduler.num_preemptions_total > 0
 
 
 def small_block_bytes(llm) -> int:
