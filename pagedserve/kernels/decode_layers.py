@@ -7,8 +7,11 @@ sequences took as long as the matmuls.
 
 `DecodeLayers.build(model)` returns None unless every piece has its C path here (a bf16 model whose linear
 weights are packed for the small-batch matmul or kept block-quantized for quant_gemm, the fused ops, the
-decode-attention kernel for these shapes; a bf16 or 8-bit KV cache). `runs(num_rows, meta)` says
-whether a step qualifies: decodes only (one new token per sequence), at most skinny_gemm.MAX_ROWS of them.
+decode-attention kernel for these shapes; a bf16 or 8-bit KV cache). `runs(num_rows, meta, lora_mapping)` says
+whether a step qualifies: decodes only (one new token per sequence), at most skinny_gemm.MAX_ROWS of them, or
+any number where every linear computes every batch with the kernel the C loop calls (held only packed, on the
+AVX-512 BF16 level, or kept quantized) and no row has an adapter: then W1's 256-sequence steps run here too
+(measured ~3 ms of Python a step at 32 rows).
 
 With LoRA slots on the linears (lora/layers.py, packed for the same kernel), steps with adapter rows run here
 too (`takes_lora()`): the C loop adds each run's delta after each matmul, as LinearLoRA.add_delta does, with
@@ -89,9 +92,13 @@ class DecodeLayers:
     def __init__(self, library: ctypes.CDLL, kernels: _Kernels, layers, shape: _Shape, model) -> None:
         self._library, self._kernels, self._layers, self._shape = library, kernels, layers, shape
         self._model = model  # keeps the weights and caches the pointers point into alive
-        scratch = library.scratch_elements(ctypes.byref(shape), skinny_gemm.MAX_ROWS)
-        self._scratch = torch.empty(scratch, dtype=torch.bfloat16)
+        self._scratch = torch.empty(0, dtype=torch.bfloat16)
+        self._scratch_rows = 0
         self._lora: Optional[tuple] = None  # (per-layer table, shrink scratch), built on the first LoRA step
+        self._any_rows = all(lin.quantized is not None or lin.held_packed_only
+                             for layer in model.model.layers for lin in _linears(layer))
+        """Whether the Python layers compute every batch size with the kernels this loop calls (so that the loop
+        gives their result bit for bit at any number of rows), not torch's BLAS above MAX_ROWS."""
 
     @staticmethod
     def build(model) -> Optional["DecodeLayers"]:
@@ -126,10 +133,13 @@ class DecodeLayers:
                        fused_ops.KV_KINDS[attn.key_cache.dtype], layers[0].input_layernorm.eps, attn.head_dim ** -0.5)
         return DecodeLayers(library, kernels, table, shape, model)
 
-    @staticmethod
-    def runs(num_rows: int, meta: AttentionMetadata) -> bool:
-        return (num_rows <= skinny_gemm.MAX_ROWS and meta.decode is not None and not meta.prefills
-                and meta.decode.num_seqs == num_rows)
+    def runs(self, num_rows: int, meta: AttentionMetadata, lora_mapping=None) -> bool:
+        """Whether a step of num_rows tokens runs here: decodes only, and at most MAX_ROWS of them unless every
+        linear takes any batch with this loop's kernels (LoRA rows: at most MAX_ROWS, and takes_lora())."""
+        small = num_rows <= skinny_gemm.MAX_ROWS
+        return ((small or (self._any_rows and lora_mapping is None)) and meta.decode is not None
+                and not meta.prefills and meta.decode.num_seqs == num_rows
+                and (lora_mapping is None or self.takes_lora()))
 
     def takes_lora(self) -> bool:
         """Whether steps with LoRA rows can run here: every linear of every layer has LoRA slots packed for
@@ -149,6 +159,10 @@ class DecodeLayers:
         """hidden [rows, hidden] (the embeddings; overwritten) -> (last layer's output, residual stream).
         With `lora_mapping` (a LoRAMapping; needs takes_lora()), its rows get their adapters' deltas."""
         rows = hidden.shape[0]
+        if rows > self._scratch_rows:  # grown to the largest step seen (MAX_ROWS at least)
+            self._scratch_rows = max(rows, skinny_gemm.MAX_ROWS)
+            elements = self._library.scratch_elements(ctypes.byref(self._shape), self._scratch_rows)
+            self._scratch = torch.empty(elements, dtype=torch.bfloat16)
         hidden = hidden.contiguous()
         residual = torch.empty_like(hidden)
         decode = meta.decode

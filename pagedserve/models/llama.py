@@ -156,8 +156,7 @@ class LlamaForCausalLM(nn.Module):
             rope = RopeInputs(positions, self.rotary, *self.rotary.cos_sin(positions, hidden.dtype))
         meta = get_attention_metadata()
         lora_mapping = get_lora_mapping()
-        if (self._decode_layers is not None and DecodeLayers.runs(hidden.shape[0], meta)
-                and (lora_mapping is None or self._decode_layers.takes_lora())):
+        if self._decode_layers is not None and self._decode_layers.runs(hidden.shape[0], meta, lora_mapping):
             hidden, residual = self._decode_layers.forward(hidden, positions, self.rotary.cos, self.rotary.sin, meta,
                                                            lora_mapping)
         else:
