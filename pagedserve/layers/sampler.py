@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from pagedserve.kernels import fused_ops
 from pagedserve.layers.logits_processors import apply_logit_bias, apply_penalties, ban_tokens, cut_threshold
 from pagedserve.layers.sampling_metadata import SamplingMetadata
 
@@ -48,8 +49,10 @@ class Sampler(nn.Module):
         if (meta.all_greedy and meta.max_num_logprobs is None and meta.logit_bias is None and meta.banned is None
                 and meta.penalties is None):
             # Widening to float32 is exact, so the first maximum is the same without it. max(dim) returns the
-            # first maximum too, and unlike argmax it is vectorized for bf16 (5 ms vs 23 ms at 256 x 49,152).
-            return SamplerOutput(sampled_token_ids=logits.max(dim=-1).indices, logprobs=None)
+            # first maximum too, and unlike argmax it is vectorized for bf16 (5 ms vs 23 ms at 256 x 49,152);
+            # the C kernel gives the same indices faster still where it takes the logits.
+            ids = fused_ops.argmax(logits)
+            return SamplerOutput(sampled_token_ids=logits.max(dim=-1).indices if ids is None else ids, logprobs=None)
         if logits.dtype != torch.float32:
             logits = logits.float()
         logits = logits.contiguous()

@@ -89,3 +89,23 @@ def test_swiglu_matches_torch_silu_times_up_in_bfloat16(kernel, rows):
     assert torch.allclose(out.float(), expected.float(), rtol=2 ** -7, atol=1e-6)
     assert (out == expected).float().mean() > 0.99
     assert fused_ops.swiglu(gate_up[:1]).equal(out[:1])  # a row's result does not depend on the batch
+
+
+@pytest.mark.parametrize("rows,vocab", [(1, 1), (3, 63), (7, 64), (5, 1000), (256, 4099)])
+def test_argmax_equals_torch_max_indices_with_ties_signed_zeros_infinities_and_nans(kernel, rows, vocab):
+    g = torch.Generator().manual_seed(rows * vocab)
+    logits = torch.randn(rows, vocab, generator=g).mul(3).round().bfloat16()  # rounded: many ties
+    special = [0.0, -0.0, float("inf"), float("-inf"), float("nan")]
+    picks = torch.randint(0, rows * vocab, (rows * vocab // 7,), generator=g)
+    logits.view(-1)[picks] = torch.tensor(special, dtype=torch.bfloat16)[torch.arange(len(picks)) % len(special)]
+    logits[0] = -0.0  # -0 and +0 tie: the first wins
+    logits[0, -1] = 0.0
+    if rows > 2:
+        logits[1] = float("-inf")
+        logits[2, :] = float("nan")
+    assert torch.equal(fused_ops.argmax(logits), logits.max(dim=-1).indices)
+
+
+def test_argmax_declines_what_it_does_not_compute(kernel):
+    assert fused_ops.argmax(torch.zeros(2, 8)) is None  # float32: torch's
+    assert fused_ops.argmax(torch.zeros(2, 0, dtype=torch.bfloat16)) is None
