@@ -15,6 +15,8 @@
  * head_dim 64/128 and block_size % 16 == 0 take item_avx512 (16 tokens a vector; bf16 K by BF16 dot
  * products where the CPU has AVX512-BF16); with AVX2 + FMA only, the same shapes with block_size % 8 == 0
  * take item_avx2 (8 tokens a vector, bf16 widened by shifts). Everything else takes the plain C loop.
+ * With AVX512-BF16, a bf16 call whose consecutive rows read the same blocks (a prompt's tokens, each a decode up
+ * to its own position) computes them in tiles (prefill_tiles.h), each row bit for bit what it gets alone.
  *
  * Plain C with OpenMP, called through ctypes: it builds in about a second with gcc and needs no torch headers.
  */
