@@ -48,6 +48,18 @@ def each_row_alone(query, key_cache, value_cache, tables, lens):
                                                   lens[i:i + 1]) for i in range(query.shape[0])])
 
 
+def assert_together_equals_alone_and_plain_attention(heads, kv_heads, head_dim, block_size, tables, lens,
+                                                     num_blocks, generator):
+    """Random bf16 queries and caches: the rows computed in one call equal each row computed alone, bit for bit,
+    and plain softmax attention within bf16 rounding."""
+    query, key_cache, value_cache = cache_and_query(heads, kv_heads, head_dim, block_size, tables, num_blocks,
+                                                    generator)
+    together = cpu_decode.decode_attention(query, key_cache, value_cache, tables, lens)
+    assert torch.equal(together, each_row_alone(query, key_cache, value_cache, tables, lens))
+    reference = naive(query, key_cache, value_cache, DecodeBatch(tables, lens, kv_heads, block_size))
+    torch.testing.assert_close(together.float(), reference, atol=2e-2, rtol=2e-2)
+
+
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 64), (8, 2, 128), (16, 1, 64), (6, 1, 128)])
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_prompt_tokens_together_equal_each_token_alone_and_plain_attention(kernel, heads, kv_heads, head_dim,
@@ -57,11 +69,8 @@ def test_prompt_tokens_together_equal_each_token_alone_and_plain_attention(kerne
     chunks = [(0, 5), (0, 19), (7, 12), (3, 0), (0, 40), (33, 9), (0, 1), (20, 0), (0, 8)]
     num_blocks = 64
     tables, lens = per_token_rows(chunks, block_size, num_blocks, g)
-    query, key_cache, value_cache = cache_and_query(heads, kv_heads, head_dim, block_size, tables, num_blocks, g)
-    together = cpu_decode.decode_attention(query, key_cache, value_cache, tables, lens)
-    assert torch.equal(together, each_row_alone(query, key_cache, value_cache, tables, lens))
-    reference = naive(query, key_cache, value_cache, DecodeBatch(tables, lens, kv_heads, block_size))
-    torch.testing.assert_close(together.float(), reference, atol=2e-2, rtol=2e-2)
+    assert_together_equals_alone_and_plain_attention(heads, kv_heads, head_dim, block_size, tables, lens,
+                                                     num_blocks, g)
 
 
 def test_sequences_sharing_only_a_prefix_of_blocks_are_not_computed_as_one(kernel):
@@ -72,11 +81,8 @@ def test_sequences_sharing_only_a_prefix_of_blocks_are_not_computed_as_one(kerne
     shared, own = torch.tensor([3, 5]), [torch.tensor([8]), torch.tensor([11])]
     tables = torch.stack([torch.cat([shared, own[0]])] * 4 + [torch.cat([shared, own[1]])] * 4).contiguous()
     lens = torch.tensor([40, 41, 42, 43, 40, 41, 42, 43])  # the second prompt continues at the same positions
-    query, key_cache, value_cache = cache_and_query(heads, kv_heads, head_dim, block_size, tables, num_blocks, g)
-    together = cpu_decode.decode_attention(query, key_cache, value_cache, tables, lens)
-    assert torch.equal(together, each_row_alone(query, key_cache, value_cache, tables, lens))
-    reference = naive(query, key_cache, value_cache, DecodeBatch(tables, lens, kv_heads, block_size))
-    torch.testing.assert_close(together.float(), reference, atol=2e-2, rtol=2e-2)
+    assert_together_equals_alone_and_plain_attention(heads, kv_heads, head_dim, block_size, tables, lens,
+                                                     num_blocks, g)
 
 
 def test_stale_cache_values_past_each_tokens_position_do_not_matter(kernel):
