@@ -32,8 +32,8 @@ def _jsonl(tmp_path, prompts: list[str], name: str = "prompts.jsonl") -> str:
     return str(path)
 
 
-def _near(measured_ms: float, truth_ms: float) -> bool:
-    return truth_ms - 1 <= measured_ms <= truth_ms + LATE_MS
+def _near(measured_ms: float, truth_ms: float, late_ms: float = LATE_MS) -> bool:
+    return truth_ms - 1 <= measured_ms <= truth_ms + late_ms
 
 
 def test_timings_match_the_known_delays(tmp_path, capsys):
@@ -99,7 +99,8 @@ def test_max_concurrency_waves_goodput_and_server_metrics(tmp_path, capsys):
     fast, slow = 1000 * (0.03 + 2 * ITL), 1000 * (0.15 + 2 * ITL)
     e2els = [1000 * x for x in result["e2els"]]
     for prompt, e2e in zip(prompts, e2els):
-        assert _near(e2e, slow if "SLOW" in prompt else fast), (prompt, e2e)
+        # the slow and fast ones differ by 120 ms; a loaded CI machine was seen 28 ms late on one request
+        assert _near(e2e, slow if "SLOW" in prompt else fast, late_ms=50), (prompt, e2e)
     # two slots: 3 waves; the slow requests sit in different slots, so the run lasts slow + 2 fast at least
     assert 1000 * result["duration"] >= slow + 2 * fast - 1
     assert result["request_goodput"] == pytest.approx(4 / result["duration"])  # the 2 slow miss ttft:100
