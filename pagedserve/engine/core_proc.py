@@ -28,6 +28,11 @@ from pagedserve.logging_utils import LoggingConfig, configure_logging
 
 logger = logging.getLogger(__name__)
 
+KV_COMMIT_AT_START_BYTES = 1 << 30
+"""KV-cache memory committed before the core reports ready (its first ~1 GiB of blocks, the ones a fresh
+pool hands out first); the rest is committed while it is idle (EngineCore.commit_kv_memory). Committing all
+of the default 4 GiB first took 9 s of start-up on the project's VMs."""
+
 CALLABLE = ("reset_prefix_cache", "stats", "add_lora", "remove_lora", "list_loras")
 """EngineCore methods a front end may call by name."""
 
@@ -40,7 +45,7 @@ def run_engine_core(config: EngineConfig, conn: Connection,
     try:
         from pagedserve.engine.core import EngineCore
 
-        core = EngineCore(config)
+        core = EngineCore(config, kv_commit_at_start=KV_COMMIT_AT_START_BYTES)
     except BaseException:  # noqa: BLE001 - the front end re-raises it with this text
         conn.send(("failed", traceback.format_exc()))
         return
@@ -64,8 +69,10 @@ def _loop(core, conn: Connection) -> None:
     faults: set[str] = set()
     while True:
         rejections: list = []
-        if not core.has_unfinished_requests():
-            conn.poll(None)  # idle: sleep until there is a message
+        if not core.has_unfinished_requests() and not conn.poll(0):
+            if core.commit_kv_memory():  # idle: commit some of the KV cache's memory, then look again
+                continue
+            conn.poll(None)  # idle, all committed: sleep until there is a message
         while conn.poll(0):
             message = pickle.loads(conn.recv_bytes())
             if message[0] == "shutdown":

@@ -11,7 +11,6 @@ thresholds with mallopt gets most of the benefit with no preload.
 from __future__ import annotations
 
 import ctypes
-import errno
 import ctypes.util
 import logging
 import mmap
@@ -45,38 +44,19 @@ def keep_freed_memory() -> bool:
     return ok
 
 
-_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14+; Python 3.11's mmap lacks the name
-
-
-def huge_page_zeros(num_bytes: int, populate: bool = False) -> torch.Tensor:
+def huge_page_zeros(num_bytes: int) -> torch.Tensor:
     """A zero-filled uint8 tensor of `num_bytes` in fresh anonymous memory that asks for transparent huge
     pages (madvise; this machine's THP mode is usually "madvise", so nothing gets them unasked). For the
     buffers every step streams through, the packed weights and the KV cache: with 4 KiB pages each step
-    takes a TLB miss for every 4 KiB of weights and of every scattered KV tile.
-
-    Otherwise pages are faulted in when first touched; `populate` commits them all now (about 0.2 s per GiB
-    with huge pages), so that a server's memory is what it will be under load: a KV cache that does not fit
-    fails at start-up, not under traffic, and a steady RSS shows leaks. A kernel without MADV_POPULATE_WRITE
-    leaves them lazy."""
+    takes a TLB miss for every 4 KiB of weights and of every scattered KV tile. Pages are faulted in when first
+    touched (the KV cache commits its own: executor/kv_commit.py)."""
     buffer = mmap.mmap(-1, max(num_bytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if hasattr(mmap, "MADV_HUGEPAGE"):
         try:
             buffer.madvise(mmap.MADV_HUGEPAGE)
         except OSError:  # THP off in this kernel: ordinary pages
             pass
-    if populate:
-        _populate(buffer, num_bytes)
     return torch.frombuffer(buffer, dtype=torch.uint8)[:num_bytes]
-
-
-def _populate(buffer: mmap.mmap, num_bytes: int) -> None:
-    try:
-        buffer.madvise(_MADV_POPULATE_WRITE)
-    except OSError as e:
-        if e.errno == errno.ENOMEM:
-            raise MemoryError(f"cannot commit {num_bytes / 2 ** 30:.2f} GiB for the KV cache: not enough memory "
-                              "(lower --kv-cache-memory-bytes)") from None
-        logger.debug("MADV_POPULATE_WRITE unsupported (%s): the KV cache's pages fault in as they are used", e)
 
 
 class HugePageArena:

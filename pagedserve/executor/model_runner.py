@@ -16,6 +16,7 @@ from pagedserve.config import CacheConfig
 from pagedserve.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from pagedserve.executor.cpu_allocator import huge_page_zeros, keep_freed_memory
 from pagedserve.executor.forward_context import set_forward_context
+from pagedserve.executor.kv_commit import KVCommitter
 from pagedserve.layers.sampler import Sampler, SamplingMetadata
 from pagedserve.loader.model_loader import LoadedModel
 from pagedserve.lora.manager import LoRAManager
@@ -61,6 +62,11 @@ class ModelRunner:
         self.kv_cache_dtype = kv_quant.kv_storage_dtype(cache_config.kv_cache_dtype, self.dtype)
         self.num_blocks = self._num_blocks(cache_config.kv_cache_memory_bytes)
         self.kv_caches, self.kv_scales = self._allocate_kv_cache()
+        self.kv_commit: Optional[KVCommitter] = None
+        """Commits the CPU cache's pages (none are yet): the engine decides when (EngineCore)."""
+        if self.device.type == "cpu":
+            tensors = [t for pair in self.kv_caches + (self.kv_scales or []) for t in pair]
+            self.kv_commit = KVCommitter(tensors, self.num_blocks)
         self.model.bind_kv_cache(self.kv_caches, self.kv_scales)
         if self.device.type == "cpu":
             start = time.perf_counter()
@@ -258,13 +264,14 @@ def _row_order(lora_slots: dict[int, int]):
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zero-filled tensor. On CPU it is fresh anonymous memory (huge pages asked for: cpu_allocator), all of
-    it committed now: otherwise the block pool (which hands out its least recently used block first) faults
-    in page after page under load, until RSS has grown by the whole cache. Zeros matter: padded attention
-    reads multiply stale slots by zero probability, and stale NaNs would poison that."""
+    """A zero-filled tensor. On CPU it is fresh anonymous memory (huge pages asked for: cpu_allocator) whose
+    pages are committed later, block by block (kv_commit.py): uncommitted, the block pool (which hands out its
+    least recently used block first) would fault in page after page under load, until RSS had grown by the
+    whole cache. Zeros matter: padded attention reads multiply stale slots by zero probability, and stale NaNs
+    would poison that."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    return huge_page_zeros(math.prod(shape) * dtype.itemsize, populate=True).view(dtype).view(shape)
+    return huge_page_zeros(math.prod(shape) * dtype.itemsize).view(dtype).view(shape)
 
 
 def _available_ram() -> int:

@@ -140,6 +140,36 @@ def test_idle_front_end_and_engine_core_process_sleep(async_llm):
         assert (after.user + after.system) - (before.user + before.system) < 0.1
 
 
+def test_the_engine_core_commits_its_kv_cache_while_idle_and_serves_meanwhile(tiny_llama_dir, offline, async_llm):
+    import psutil
+
+    from pagedserve.engine.core_proc import KV_COMMIT_AT_START_BYTES
+
+    cache_bytes = KV_COMMIT_AT_START_BYTES + (512 << 20)
+    # the same engine with a 4 MiB cache: what the process holds besides the cache
+    baseline = psutil.Process(async_llm._client.process.pid).memory_info().rss
+    engine = AsyncLLM.from_kwargs(model=tiny_llama_dir, **{**ENGINE, "kv_cache_memory_bytes": cache_bytes})
+    try:
+        core = psutil.Process(engine._client.process.pid)
+        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+        _, token_ids, _ = asyncio.run(collect(engine, PROMPTS[0], params))
+        assert token_ids == offline.generate(PROMPTS[:1], params, use_tqdm=False)[0].outputs[0].token_ids
+        wanted = baseline + cache_bytes - (128 << 20)
+        deadline = time.monotonic() + 60
+        while core.memory_info().rss < wanted and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert core.memory_info().rss >= wanted, (core.memory_info().rss, baseline)
+        busy = []  # CPU seconds per 0.5 s: once all is committed, the idle core sleeps
+        while time.monotonic() < deadline and not (busy and busy[-1] < 0.1):
+            before = core.cpu_times()
+            time.sleep(0.5)
+            after = core.cpu_times()
+            busy.append((after.user + after.system) - (before.user + before.system))
+        assert busy[-1] < 0.1, busy
+    finally:
+        engine.shutdown()
+
+
 def test_engine_core_runs_in_its_own_process(async_llm):
     import os
 
