@@ -20,6 +20,7 @@ import errno
 import logging
 import mmap
 import os
+from typing import Optional
 
 import torch
 
@@ -27,6 +28,18 @@ logger = logging.getLogger(__name__)
 
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14+; Python 3.11's mmap lacks it
 _libc = None
+
+
+def mem_available() -> Optional[int]:
+    """MemAvailable from /proc/meminfo in bytes; None where there is none."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 def _madvise_populate(address: int, length: int) -> int:
@@ -87,6 +100,15 @@ class KVCommitter:
 
     def commit_all(self) -> None:
         self.commit_bytes(self.num_blocks * self.bytes_per_block)
+
+    def check_rest_fits(self) -> None:
+        """MemoryError now, naming the fix, when what is left to commit is more than the machine has available:
+        a cache committed later must fail at start-up, as one committed at once does."""
+        rest = (self.num_blocks - self.committed_blocks) * self.bytes_per_block
+        available = mem_available()
+        if available is not None and rest > available:
+            raise MemoryError(f"the KV cache needs {rest / 2**30:.2f} GiB more than is committed, but only "
+                              f"{available / 2**30:.2f} GiB is available (lower --kv-cache-memory-bytes)")
 
     def _populate(self, address: int, length: int) -> None:
         error = _madvise_populate(address, length)

@@ -16,7 +16,7 @@ from pagedserve.config import CacheConfig
 from pagedserve.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from pagedserve.executor.cpu_allocator import huge_page_zeros, keep_freed_memory
 from pagedserve.executor.forward_context import set_forward_context
-from pagedserve.executor.kv_commit import KVCommitter
+from pagedserve.executor.kv_commit import KVCommitter, mem_available
 from pagedserve.layers.sampler import Sampler, SamplingMetadata
 from pagedserve.loader.model_loader import LoadedModel
 from pagedserve.lora.manager import LoRAManager
@@ -275,11 +275,5 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
 
 
 def _available_ram() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 8 << 30
+    available = mem_available()
+    return available if available is not None else 8 << 30

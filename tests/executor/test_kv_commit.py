@@ -100,3 +100,14 @@ def test_tokens_are_the_same_whether_the_cache_was_committed_first_or_faulted_in
     again = lazy.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in again] == expected
     assert sum(o.num_cached_tokens for o in again) > 0
+
+
+def test_a_cache_committed_later_that_cannot_fit_fails_at_start_naming_the_flag(tiny_llama_dir, monkeypatch):
+    from pagedserve.executor import kv_commit
+
+    monkeypatch.setattr(llm_engine, "EngineCore", functools.partial(EngineCore, kv_commit_at_start=1 << 20))
+    monkeypatch.setattr(kv_commit, "mem_available", lambda: 2 << 20)
+    with pytest.raises(MemoryError, match="kv-cache-memory-bytes"):
+        LLM(tiny_llama_dir, dtype="float32", kv_cache_memory_bytes=8 << 20)
+    monkeypatch.setattr(kv_commit, "mem_available", lambda: 64 << 20)
+    LLM(tiny_llama_dir, dtype="float32", kv_cache_memory_bytes=8 << 20)
