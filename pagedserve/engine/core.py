@@ -75,11 +75,11 @@ class EngineCore:
             return
         start = time.perf_counter()
         if num_bytes is None:
-            committer.commit_all()
+            committed = committer.commit_all()
         else:
-            committer.commit_bytes(num_bytes)
+            committed = committer.commit_bytes(num_bytes)
             committer.check_rest_fits()
-        logger.info("KV cache memory: %.0f of %.0f MiB committed in %.1f s%s", committer.committed_bytes / 2**20,
+        logger.info("KV cache memory: %.0f of %.0f MiB committed in %.1f s%s", committed / 2**20,
                     committer.num_blocks * committer.bytes_per_block / 2**20, time.perf_counter() - start,
                     "" if committer.done else "; the rest is committed while the engine is idle")
 

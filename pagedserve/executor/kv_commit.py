@@ -98,8 +98,9 @@ class KVCommitter:
                 self._next_tensor, self.committed_blocks = 0, end
         return committed
 
-    def commit_all(self) -> None:
-        self.commit_bytes(self.num_blocks * self.bytes_per_block)
+    def commit_all(self) -> int:
+        """Commit what is left; returns the bytes committed."""
+        return self.commit_bytes(self.num_blocks * self.bytes_per_block)
 
     def check_rest_fits(self) -> None:
         """MemoryError now, naming the fix, when what is left to commit is more than the machine has available:
