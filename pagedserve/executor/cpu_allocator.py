@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import logging
 import mmap
 import sys
+from typing import Optional
 
 import torch
 
@@ -27,15 +29,32 @@ _TRIM_THRESHOLD = 1 << 30
 _configured = False
 
 
+@functools.lru_cache(maxsize=None)
+def libc() -> ctypes.CDLL:
+    """The C library, loaded once (errno kept for ctypes.get_errno). OSError where there is none."""
+    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+
+
+def mem_available() -> Optional[int]:
+    """MemAvailable from /proc/meminfo in bytes; None where there is none."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 def keep_freed_memory() -> bool:
     """Raise glibc's mmap and trim thresholds once per process. Returns whether it took effect."""
     global _configured
     if _configured or not sys.platform.startswith("linux"):
         return _configured
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        ok = libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX) == 1
-        ok = libc.mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD) == 1 and ok
+        ok = libc().mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX) == 1
+        ok = libc().mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD) == 1 and ok
     except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to tune
         return False
     _configured = ok

@@ -15,41 +15,25 @@ committed pages are): only slower, never different.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import errno
 import logging
 import mmap
 import os
-from typing import Optional
 
 import torch
+
+from pagedserve.executor.cpu_allocator import libc, mem_available
 
 logger = logging.getLogger(__name__)
 
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14+; Python 3.11's mmap lacks it
-_libc = None
-
-
-def mem_available() -> Optional[int]:
-    """MemAvailable from /proc/meminfo in bytes; None where there is none."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
 
 
 def _madvise_populate(address: int, length: int) -> int:
     """MADV_POPULATE_WRITE over [address, address + length), widened to whole pages; 0 or the errno."""
-    global _libc
-    if _libc is None:
-        _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
     start = address - address % mmap.PAGESIZE
     end = -(-(address + length) // mmap.PAGESIZE) * mmap.PAGESIZE
-    if _libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_POPULATE_WRITE):
+    if libc().madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_POPULATE_WRITE):
         return ctypes.get_errno()
     return 0
 
@@ -91,7 +75,9 @@ class KVCommitter:
             end = min(self.committed_blocks + self._blocks_per_unit, self.num_blocks)
             address, row_bytes = self._rows[self._next_tensor]
             length = (end - self.committed_blocks) * row_bytes
-            self._populate(address + self.committed_blocks * row_bytes, length)
+            if not self._populate(address + self.committed_blocks * row_bytes, length):
+                self.committed_blocks = self.num_blocks  # nothing can be committed: all is left to fault in
+                break
             committed += length
             self._next_tensor += 1
             if self._next_tensor == len(self._rows):
@@ -111,7 +97,8 @@ class KVCommitter:
             raise MemoryError(f"the KV cache needs {rest / 2**30:.2f} GiB more than is committed, but only "
                               f"{available / 2**30:.2f} GiB is available (lower --kv-cache-memory-bytes)")
 
-    def _populate(self, address: int, length: int) -> None:
+    def _populate(self, address: int, length: int) -> bool:
+        """Whether the range was committed (False: this kernel cannot commit ahead)."""
         error = _madvise_populate(address, length)
         if error == errno.ENOMEM:
             size = self.num_blocks * self.bytes_per_block / 2**30
@@ -120,4 +107,5 @@ class KVCommitter:
         if error:  # EINVAL: a kernel before 5.14; every page faults in when first written instead
             logger.debug("MADV_POPULATE_WRITE failed (%s): the KV cache's pages fault in as they are used",
                          os.strerror(error))
-            self.committed_blocks = self.num_blocks
+            return False
+        return True

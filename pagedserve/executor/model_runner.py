@@ -14,9 +14,9 @@ from pagedserve.attention.kv_layout import key_cache_shape, value_cache_shape
 from pagedserve.attention.metadata import AttentionMetadata, DecodeBatch, PrefillSeq
 from pagedserve.config import CacheConfig
 from pagedserve.core.scheduler_output import ScheduledRequest, SchedulerOutput
-from pagedserve.executor.cpu_allocator import huge_page_zeros, keep_freed_memory
+from pagedserve.executor.cpu_allocator import huge_page_zeros, keep_freed_memory, mem_available
 from pagedserve.executor.forward_context import set_forward_context
-from pagedserve.executor.kv_commit import KVCommitter, mem_available
+from pagedserve.executor.kv_commit import KVCommitter
 from pagedserve.layers.sampler import Sampler, SamplingMetadata
 from pagedserve.loader.model_loader import LoadedModel
 from pagedserve.lora.manager import LoRAManager

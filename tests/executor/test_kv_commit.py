@@ -4,6 +4,7 @@ the rest while it is idle; a cache used before it is all committed gives the sam
 from __future__ import annotations
 
 import ctypes
+import errno
 import functools
 import os
 
@@ -14,6 +15,7 @@ from pagedserve import LLM, SamplingParams
 from pagedserve.engine import llm_engine
 from pagedserve.engine.core import EngineCore
 from pagedserve.executor.cpu_allocator import huge_page_zeros
+from pagedserve.executor import kv_commit
 from pagedserve.executor.kv_commit import KVCommitter
 
 ROW = 2 << 20  # one transparent huge page per block and tensor: residency is exact whatever the page size
@@ -103,11 +105,18 @@ def test_tokens_are_the_same_whether_the_cache_was_committed_first_or_faulted_in
 
 
 def test_a_cache_committed_later_that_cannot_fit_fails_at_start_naming_the_flag(tiny_llama_dir, monkeypatch):
-    from pagedserve.executor import kv_commit
-
     monkeypatch.setattr(llm_engine, "EngineCore", functools.partial(EngineCore, kv_commit_at_start=1 << 20))
     monkeypatch.setattr(kv_commit, "mem_available", lambda: 2 << 20)
     with pytest.raises(MemoryError, match="kv-cache-memory-bytes"):
         LLM(tiny_llama_dir, dtype="float32", kv_cache_memory_bytes=8 << 20)
     monkeypatch.setattr(kv_commit, "mem_available", lambda: 64 << 20)
     LLM(tiny_llama_dir, dtype="float32", kv_cache_memory_bytes=8 << 20)
+
+
+def test_a_kernel_that_cannot_commit_ahead_leaves_the_cache_to_fault_in_after_one_try(monkeypatch):
+    calls = []
+    monkeypatch.setattr(kv_commit, "_madvise_populate", lambda address, length: calls.append(length) or errno.EINVAL)
+    blocks = 8
+    committer = KVCommitter([torch.zeros(blocks, 1024), torch.zeros(blocks, 1024)], blocks)
+    assert committer.commit_bytes(1 << 30) == 0 and committer.done and len(calls) == 1
+    assert committer.commit_bytes(1 << 30) == 0 and len(calls) == 1
