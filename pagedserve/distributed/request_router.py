@@ -3,13 +3,16 @@
 Ray Serve keeps one router per deployment handle, in the process that holds the handle (the ingress). What the
 router needs travels in the call's keyword arguments, from RemoteEngine: `routing=` (the prompt's block hashes),
 `avoid=` (replicas that failed this request before), `call_id=` (one per try). Load is what this router has in
-flight on each replica: counted when a request is sent, uncounted when Ray reports it complete, whatever its
-outcome. Calls to every replica (metrics, prefix-cache resets) are Serve broadcasts and never pass through here.
+flight on each replica (counted when a request is sent, uncounted when Ray reports it complete, whatever its
+outcome) plus the requests ranked onto it and not sent yet: Ray ranks a burst of arrivals before it sends any
+of them, and without these a flood would all see the same load and go to one replica. Calls to every replica
+(metrics, prefix-cache resets) are Serve broadcasts and never pass through here.
 """
 
 from __future__ import annotations
 
-from collections import Counter, OrderedDict
+import time
+from collections import Counter, OrderedDict, defaultdict, deque
 from typing import List, Optional
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
@@ -17,6 +20,8 @@ from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, Reque
 from pagedserve.distributed.routing_policy import RouterConfig, RoutingPolicy
 
 MAX_REMEMBERED_CHOICES = 1 << 14
+RESERVATION_TTL_S = 10.0
+"""A ranked call that was never sent (cancelled before Ray sent it) stops counting as load after this long."""
 
 
 class PagedServeRequestRouter(FIFOMixin, RequestRouter):
@@ -29,6 +34,8 @@ class PagedServeRequestRouter(FIFOMixin, RequestRouter):
                          index_capacity: int = 1 << 17) -> None:
         self.policy = RoutingPolicy(RouterConfig(policy, imbalance_threshold, index_capacity))
         self.in_flight: Counter[str] = Counter()
+        self._reserved: defaultdict[str, deque[float]] = defaultdict(deque)
+        """replica -> when each call ranked onto it and not yet sent was ranked (oldest first)."""
         self._chosen: OrderedDict[str, tuple[str, list[bytes]]] = OrderedDict()
         """call id -> the replica its ranking put first, and the hashes that put there anew (bounded: a call
         cancelled before it was routed is never popped)."""
@@ -46,16 +53,27 @@ class PagedServeRequestRouter(FIFOMixin, RequestRouter):
         hashes = pending_request.kwargs.get("routing") or ()
         key = pending_request.kwargs.get("call_id") or pending_request.metadata.internal_request_id
         first, _ = self._chosen.get(key, (None, None))
+        loads = self.loads(by_id)
         if first not in by_id:
             # A request is ranked (and, under round-robin, takes its turn) once, not once per try.
-            first = self.policy.rank(list(by_id), {r: self.in_flight[r] for r in by_id}, hashes)[0]
+            first = self.policy.rank(list(by_id), loads, hashes)[0]
             # Remembered now, not when Ray confirms: requests that share a prefix and arrive together follow the
             # first one instead of racing it.
             self._chosen[key] = (first, self.policy.routed(hashes, first))
+            self._reserved[first].append(time.monotonic())
             if len(self._chosen) > MAX_REMEMBERED_CHOICES:
                 self._chosen.popitem(last=False)
-        rest = sorted((r for r in by_id if r != first), key=lambda r: self.in_flight[r])
+        rest = sorted((r for r in by_id if r != first), key=lambda r: loads[r])
         return [[by_id[first]]] + [[by_id[r]] for r in rest]
+
+    def loads(self, replicas) -> dict[str, int]:
+        """Replica -> its requests in flight plus those ranked onto it and not sent yet."""
+        stale = time.monotonic() - RESERVATION_TTL_S
+        for replica in replicas:
+            reserved = self._reserved.get(replica)
+            while reserved and reserved[0] < stale:
+                reserved.popleft()
+        return {r: self.in_flight[r] + len(self._reserved.get(r, ())) for r in replicas}
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
         hashes = pending_request.kwargs.get("routing") or ()
@@ -63,11 +81,18 @@ class PagedServeRequestRouter(FIFOMixin, RequestRouter):
         first, added = self._chosen.pop(key, (None, None))
         if first is not None and first != replica_id.unique_id:
             self.policy.forget_chain(added, first)  # it went elsewhere: what it alone put on `first` is not there
+            self._unreserve(first)  # and its place there was never taken by a send
         self.policy.routed(hashes, replica_id.unique_id)
 
     def on_send_request(self, replica_id: ReplicaID) -> None:
         super().on_send_request(replica_id)
         self.in_flight[replica_id.unique_id] += 1
+        self._unreserve(replica_id.unique_id)  # Ray names no call here: one reservation there becomes in flight
+
+    def _unreserve(self, replica: str) -> None:
+        reserved = self._reserved.get(replica)
+        if reserved:
+            reserved.popleft()
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         key = replica_id.unique_id
@@ -80,7 +105,7 @@ class PagedServeRequestRouter(FIFOMixin, RequestRouter):
         self._forget(replica_id.unique_id)
 
     def update_replicas(self, replicas: List[RunningReplica]) -> None:
-        gone = set(self.in_flight) | set(self.policy.index.replicas())
+        gone = set(self.in_flight) | set(self._reserved) | set(self.policy.index.replicas())
         super().update_replicas(replicas)
         for replica in gone - {r.replica_id.unique_id for r in replicas}:
             self._forget(replica)  # scaled down or replaced: its cache went with it
@@ -88,3 +113,4 @@ class PagedServeRequestRouter(FIFOMixin, RequestRouter):
     def _forget(self, replica: str) -> None:
         self.policy.forget(replica)
         self.in_flight.pop(replica, None)
+        self._reserved.pop(replica, None)
