@@ -30,6 +30,7 @@
 #include "kv_quant.h"
 
 #define MAX_GROUP 16
+#define SCORE_HEADS 4 /* AVX2: query heads whose scores are summed together (2 x 4 sums in registers) */
 #define MAX_HEAD_DIM 256  /* also: MAX_GROUP * 128 <= MAX_GROUP * MAX_HEAD_DIM for the fast path's output */
 #define MAX_BLOCK 64
 /* How many blocks ahead the AVX-512 path fetches K tiles into L2 (2-6 measured the same). Blocks are scattered,
@@ -336,20 +337,24 @@ static inline __m256 broadcast_bits(const uint32_t *qb, int64_t at) {
     return _mm256_castsi256_ps(_mm256_set1_epi32((int)qb[at]));
 }
 
-/* Scores of one (sequence, kv head) item, 8 tokens at a time, as scores_avx512 does 16: one row of a K tile
- * holds dimension group p of 8 consecutive tokens and the query's value(s) are broadcast. In bf16 the row
- * holds a pair of dimensions per token: a shift and a mask widen it to two float32 vectors (exact); 8-bit
- * codes are dequantized with their tokens' scales. qb: the item's queries as float32 bits [group][head_dim].
- * Requires block_size % 8 == 0. */
+/* Scores of `group` query heads (a constant from 1 to SCORE_HEADS) of one (sequence, kv head) item, as
+ * scores_avx512 does: one row of a K tile holds dimension group p of CHUNKS x 8 consecutive tokens and the query's
+ * value(s) are broadcast. In bf16 the row holds a pair of dimensions per token: a shift and a mask widen it to two
+ * float32 vectors (exact); 8-bit codes are dequantized with their tokens' scales. Every head and 8-token chunk has
+ * its own sum (group * CHUNKS independent chains: one chain waits on the FMA's latency at each step), and each
+ * token's sum runs over the dimensions in order, so the result does not depend on how many heads or chunks go
+ * together. qb: the heads' queries as float32 bits [group][head_dim]. chunks (a constant, 1 or 2): 8-token chunks
+ * a step; block_size % (8 * chunks) == 0. */
 static inline __attribute__((always_inline)) void scores_avx2(
     const uint32_t *qb, const char *key_cache, const uint16_t *key_scale, const int64_t *table, int64_t len,
-    float *scores, float *maxs, int64_t group, int64_t block_size, int64_t head_dim, int64_t tile_bytes,
-    int64_t kv_stride, const char *value_cache, float scale, const int kv) {
-    __m256 vmax[MAX_GROUP];
+    float *scores, float *maxs, const int64_t group, int64_t block_size, int64_t head_dim, int64_t tile_bytes,
+    int64_t kv_stride, const char *value_cache, float scale, const int kv, const int chunks) {
+    __m256 vmax[SCORE_HEADS];
     for (int64_t g = 0; g < group; ++g) vmax[g] = _mm256_set1_ps(-INFINITY);
     const int64_t pack = kv_pack(kv), groups = head_dim / pack, row_bytes = block_size * pack * kv_elem(kv);
+    const int64_t step = 8 * chunks;
     const __m256i high = _mm256_set1_epi32((int)0xffff0000u), lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    for (int64_t start = 0; start < len; start += 8) {
+    for (int64_t start = 0; start < len; start += step) {
         const int64_t b = start / block_size, chunk = (start % block_size) / 8;
         const char *tile = key_cache + table[b] * kv_stride * tile_bytes + chunk * 8 * pack * kv_elem(kv);
         if (chunk == 0) { /* as in scores_avx512 */
@@ -359,58 +364,65 @@ static inline __attribute__((always_inline)) void scores_avx2(
             prefetch_tile(value_cache + table[b] * kv_stride * tile_bytes, tile_bytes, _MM_HINT_T1);
             if (b + 1 < blocks) prefetch_tile(key_cache + table[b + 1] * kv_stride * tile_bytes, tile_bytes, _MM_HINT_T0);
         }
-        __m256 acc[MAX_GROUP];
-        for (int64_t g = 0; g < group; ++g) acc[g] = _mm256_setzero_ps();
-        const __m256 token_scales = kv_is_quantized(kv)
-            ? scales8(key_scale + table[b] * kv_stride * block_size + chunk * 8, kv) : _mm256_setzero_ps();
+        __m256 acc[SCORE_HEADS][2], token_scales[2];
+        for (int64_t g = 0; g < group; ++g)
+            for (int c = 0; c < chunks; ++c) acc[g][c] = _mm256_setzero_ps();
+        for (int c = 0; c < chunks; ++c)
+            token_scales[c] = kv_is_quantized(kv)
+                ? scales8(key_scale + table[b] * kv_stride * block_size + (chunk + c) * 8, kv) : _mm256_setzero_ps();
         for (int64_t p = 0; p < groups; ++p) {
             const char *row = tile + p * row_bytes;
             if (kv == KV_BF16) {
-                const __m256i pairs = _mm256_loadu_si256((const __m256i *)row);
-                const __m256 k0 = _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16));
-                const __m256 k1 = _mm256_castsi256_ps(_mm256_and_si256(pairs, high));
-                for (int64_t g = 0; g < group; ++g) {
-                    acc[g] = _mm256_fmadd_ps(broadcast_bits(qb, g * head_dim + 2 * p), k0, acc[g]);
-                    acc[g] = _mm256_fmadd_ps(broadcast_bits(qb, g * head_dim + 2 * p + 1), k1, acc[g]);
+                for (int c = 0; c < chunks; ++c) {
+                    const __m256i pairs = _mm256_loadu_si256((const __m256i *)(row + c * 32));
+                    const __m256 k0 = _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16));
+                    const __m256 k1 = _mm256_castsi256_ps(_mm256_and_si256(pairs, high));
+                    for (int64_t g = 0; g < group; ++g) {
+                        acc[g][c] = _mm256_fmadd_ps(broadcast_bits(qb, g * head_dim + 2 * p), k0, acc[g][c]);
+                        acc[g][c] = _mm256_fmadd_ps(broadcast_bits(qb, g * head_dim + 2 * p + 1), k1, acc[g][c]);
+                    }
                 }
             } else {
-                __m256 k = load8(row, kv);
-                if (kv_is_quantized(kv)) k = _mm256_mul_ps(k, token_scales);
-                for (int64_t g = 0; g < group; ++g)
-                    acc[g] = _mm256_fmadd_ps(broadcast_bits(qb, g * head_dim + p), k, acc[g]);
+                __m256 k[2];
+                for (int c = 0; c < chunks; ++c) {
+                    k[c] = load8(row + c * 8 * kv_elem(kv), kv);
+                    if (kv_is_quantized(kv)) k[c] = _mm256_mul_ps(k[c], token_scales[c]);
+                }
+                for (int64_t g = 0; g < group; ++g) {
+                    const __m256 qv = broadcast_bits(qb, g * head_dim + p);
+                    for (int c = 0; c < chunks; ++c) acc[g][c] = _mm256_fmadd_ps(qv, k[c], acc[g][c]);
+                }
             }
         }
         /* lanes past the context (stale cache rows, maybe NaN) are neither stored nor in the maximum */
-        const __m256i valid = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(len - start < 8 ? len - start : 8)), lanes);
-        const __m256 vscale = _mm256_set1_ps(scale), vvalid = _mm256_castsi256_ps(valid);
-        for (int64_t g = 0; g < group; ++g) {
-            const __m256 s = _mm256_mul_ps(acc[g], vscale);
-            _mm256_maskstore_ps(scores + g * len + start, valid, s);
-            vmax[g] = _mm256_blendv_ps(vmax[g], _mm256_max_ps(vmax[g], s), vvalid);
+        const __m256 vscale = _mm256_set1_ps(scale);
+        for (int c = 0; c < chunks; ++c) {
+            const int64_t at = start + 8 * c, here = len - at < 8 ? (len - at > 0 ? len - at : 0) : 8;
+            const __m256i valid = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)here), lanes);
+            const __m256 vvalid = _mm256_castsi256_ps(valid);
+            for (int64_t g = 0; g < group; ++g) {
+                const __m256 s = _mm256_mul_ps(acc[g][c], vscale);
+                _mm256_maskstore_ps(scores + g * len + at, valid, s);
+                vmax[g] = _mm256_blendv_ps(vmax[g], _mm256_max_ps(vmax[g], s), vvalid);
+            }
         }
     }
     for (int64_t g = 0; g < group; ++g) maxs[g] = max_lane(vmax[g]);
 }
 
-/* One (sequence, kv head) work item with head_dim = 8 * NV, as item_avx512: scores, softmax, then the
- * weighted sum of V rows in registers. Called with a constant nv (8 or 16). */
-static inline __attribute__((always_inline)) void item_avx2(
-    const uint32_t *qb, const char *key_cache, const char *value_cache, const uint16_t *key_scale,
-    const uint16_t *value_scale, const int64_t *table, int64_t len, float *scores, int64_t group,
-    int64_t block_size, int64_t tile, int64_t kv_stride, float scale, const int kv, const int nv, float *out_f32) {
+/* out_f32 [head_dim] = probs [len] . V rows of one (sequence, kv head) item, head_dim = 8 * nv (a constant, 8 or
+ * 16): the weighted sum of V rows in registers, token by token. */
+static inline __attribute__((always_inline)) void values_avx2(
+    const float *probs, const char *value_cache, const uint16_t *value_scale, const int64_t *table, int64_t len,
+    int64_t block_size, int64_t tile, int64_t kv_stride, const int kv, const int nv, int fetch, float *out_f32) {
     const int64_t elem = kv_elem(kv), head_dim = 8 * nv;
-    __m256 o[MAX_GROUP][16], v[16];
-    float maxs[MAX_GROUP];
-    for (int64_t g = 0; g < group; ++g)
-        for (int j = 0; j < nv; ++j) o[g][j] = _mm256_setzero_ps();
-    scores_avx2(qb, key_cache, key_scale, table, len, scores, maxs, group, block_size, head_dim, tile * elem,
-                kv_stride, value_cache, scale, kv);
-    softmax_rows(scores, maxs, group, len);
+    __m256 o[16], v[16];
+    for (int j = 0; j < nv; ++j) o[j] = _mm256_setzero_ps();
     for (int64_t start = 0; start < len; start += block_size) {
         const int64_t blk = table[start / block_size], n = len - start < block_size ? len - start : block_size;
         const char *rows = value_cache + blk * kv_stride * tile * elem;
         const uint16_t *token_scales = kv_is_quantized(kv) ? value_scale + blk * kv_stride * block_size : NULL;
-        if (start + block_size < len) /* as in item_avx512 */
+        if (fetch && start + block_size < len) /* as in item_avx512 */
             prefetch_tile(value_cache + table[start / block_size + 1] * kv_stride * tile * elem, tile * elem,
                           _MM_HINT_T0);
         for (int64_t i = 0; i < n; ++i) {
@@ -420,14 +432,30 @@ static inline __attribute__((always_inline)) void item_avx2(
                 const __m256 s = _mm256_set1_ps(bf16_to_f32(token_scales[i]) * scale_factor(kv));
                 for (int j = 0; j < nv; ++j) v[j] = _mm256_mul_ps(v[j], s);
             }
-            for (int64_t g = 0; g < group; ++g) {
-                const __m256 p = _mm256_set1_ps(scores[g * len + start + i]);
-                for (int j = 0; j < nv; ++j) o[g][j] = _mm256_fmadd_ps(p, v[j], o[g][j]);
-            }
+            const __m256 p = _mm256_set1_ps(probs[start + i]);
+            for (int j = 0; j < nv; ++j) o[j] = _mm256_fmadd_ps(p, v[j], o[j]);
         }
     }
+    for (int j = 0; j < nv; ++j) _mm256_storeu_ps(out_f32 + 8 * j, o[j]);
+}
+
+/* `group` query heads (a constant up to SCORE_HEADS) of one (sequence, kv head) work item, head_dim = 8 * nv:
+ * their scores together (each K tile read once for all of them), softmax, then each head's weighted sum of V
+ * rows alone (16 vector registers hold one head's sums beside its V row; the V tiles stay in cache for the
+ * next head). */
+static inline __attribute__((always_inline)) void item_avx2(
+    const uint32_t *qb, const char *key_cache, const char *value_cache, const uint16_t *key_scale,
+    const uint16_t *value_scale, const int64_t *table, int64_t len, float *scores, const int64_t group,
+    int64_t block_size, int64_t tile, int64_t kv_stride, float scale, const int kv, const int nv, const int chunks,
+    float *out_f32) {
+    const int64_t head_dim = 8 * nv;
+    float maxs[SCORE_HEADS];
+    scores_avx2(qb, key_cache, key_scale, table, len, scores, maxs, group, block_size, head_dim,
+                tile * kv_elem(kv), kv_stride, value_cache, scale, kv, chunks);
+    softmax_rows(scores, maxs, group, len);
     for (int64_t g = 0; g < group; ++g)
-        for (int j = 0; j < nv; ++j) _mm256_storeu_ps(out_f32 + g * head_dim + 8 * j, o[g][j]);
+        values_avx2(scores + g * len, value_cache, value_scale, table, len, block_size, tile, kv_stride, kv, nv,
+                    g == 0, out_f32 + g * head_dim);
 }
 #endif
 
@@ -481,16 +509,27 @@ static inline __attribute__((always_inline)) int decode_item(
     if ((head_dim == 64 || head_dim == 128) && block_size % 8 == 0) {
         uint32_t qb[MAX_GROUP * MAX_HEAD_DIM];
         query_to_f32((const char *)query + row0 * head_dim * qelem, qbf16, group * head_dim, (float *)qb);
-        /* One query head at a time (16 vector registers hold one head's sums beside its V row; the K and V tiles
-         * stay in cache for the next head): a constant count keeps the sums in registers, 1.2x faster here than
-         * all the group's heads at once with a runtime count. */
-        for (int64_t g = 0; g < group; ++g) {
-            if (head_dim == 64)
-                item_avx2(qb + g * head_dim, kc, vc, ks, vs, table, len, scores, 1, block_size, tile, kv_heads, scale,
-                          kv, 8, acc[0] + g * head_dim);
-            else
-                item_avx2(qb + g * head_dim, kc, vc, ks, vs, table, len, scores, 1, block_size, tile, kv_heads, scale,
-                          kv, 16, acc[0] + g * head_dim);
+        /* The query heads go through SCORE_HEADS at a time, a constant count for each call (the compiler then
+         * keeps the sums in registers); 8-token chunks two at a time where blocks hold whole pairs. */
+        for (int64_t g0 = 0; g0 < group; g0 += SCORE_HEADS) {
+            const int64_t count = group - g0 < SCORE_HEADS ? group - g0 : SCORE_HEADS;
+            const uint32_t *qg = qb + g0 * head_dim;
+            float *og = acc[0] + g0 * head_dim;
+#define ITEM(G, NV, C) item_avx2(qg, kc, vc, ks, vs, table, len, scores, G, block_size, tile, kv_heads, scale, kv, \
+                                 NV, C, og)
+#define ITEMS(NV, C)                   \
+    switch (count) {                   \
+    case 1: ITEM(1, NV, C); break;     \
+    case 2: ITEM(2, NV, C); break;     \
+    case 3: ITEM(3, NV, C); break;     \
+    default: ITEM(4, NV, C);           \
+    }
+            if (head_dim == 64 && block_size % 16 == 0) ITEMS(8, 2)
+            else if (head_dim == 64) ITEMS(8, 1)
+            else if (block_size % 16 == 0) ITEMS(16, 2)
+            else ITEMS(16, 1)
+#undef ITEMS
+#undef ITEM
         }
         for (int64_t g = 0; g < group; ++g) store_row(out, (row0 + g) * head_dim, acc[0] + g * head_dim, head_dim, qbf16);
         free(scores);
