@@ -72,7 +72,7 @@ class ModelRunner:
             start = time.perf_counter()
             packed = self.model.pack_for_small_batches()
             if packed:
-                logger.info("packed %d bf16 weight matrices for small-batch decode in %.2f s", packed,
+                logger.info("packed %d weight matrices for the CPU matmul kernels in %.2f s", packed,
                             time.perf_counter() - start)
         self.lora_manager = lora_manager
         self.lora_slots: Optional[ModelLoRASlots] = None

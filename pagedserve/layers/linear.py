@@ -1,5 +1,6 @@
-"""nn.Linear with a second copy of its weight laid out for small batches on CPU (kernels/skinny_gemm.py),
-and the model's one LoRA hook: an optional reference to its LoRA slots (lora/layers.py)."""
+"""nn.Linear with a copy of its weight laid out for the CPU's kernel (bf16: kernels/skinny_gemm.py; float32 on
+AVX2-only CPUs: kernels/f32_gemm.py), and the model's one LoRA hook: an optional reference to its LoRA slots
+(lora/layers.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.executor.forward_context import get_lora_mapping
-from pagedserve.kernels import fused_ops, quant_gemm, skinny_gemm
+from pagedserve.kernels import f32_gemm, fused_ops, quant_gemm, skinny_gemm
 from pagedserve.layers.activation import silu_and_mul
 
 if TYPE_CHECKING:
@@ -27,12 +28,14 @@ class Linear(nn.Linear):
     """Computes like nn.Linear. After `pack_for_small_batches()` (CPU, bfloat16, where the kernel builds),
     inputs of at most skinny_gemm.MAX_ROWS rows use the packed copy: a decode step with a few sequences is
     then bound by reading the weights once, not by the BLAS re-laying them out. Call it again if the weight
-    changes.
+    changes. A float32 weight on an AVX2-only CPU is packed for kernels/f32_gemm.py instead (`packed_f32`),
+    which takes every batch size faster than torch there, so the plain weight is dropped.
 
     With LoRA on, `lora` holds the stacked adapter weights of every slot: when the step has rows with an
     adapter, their delta is added to the base output, which is computed exactly as without LoRA."""
 
     packed: Optional[skinny_gemm.PackedWeight] = None
+    packed_f32: Optional[f32_gemm.PackedWeight] = None
     lora: Optional["LinearLoRA"] = None
     quantized: Optional["QuantizedWeight"] = None
     """Set by the loader for kept-quantized weights (--quantization gguf, AWQ and GPTQ checkpoints): every batch
@@ -43,8 +46,8 @@ class Linear(nn.Linear):
     @property
     def held_packed_only(self) -> bool:
         """Whether the packed copy is the weight's only copy (`weight` then empty): where the packed kernel takes
-        every batch as fast as torch (skinny_gemm.takes_every_batch)."""
-        return self.packed is not None and self.weight.numel() == 0
+        every batch as fast as torch (skinny_gemm.takes_every_batch, and f32_gemm wherever it runs)."""
+        return (self.packed is not None or self.packed_f32 is not None) and self.weight.numel() == 0
 
     def pack_for_small_batches(self, out: Optional[torch.Tensor] = None) -> bool:
         """Pack the weight (into `out`, sized by PackedWeight.packed_shape, when given); where the packed kernel
@@ -53,6 +56,11 @@ class Linear(nn.Linear):
             return False
         if self.held_packed_only:
             return True
+        if self.weight.dtype == torch.float32:
+            self.packed_f32 = f32_gemm.PackedWeight.of(self.weight, out)
+            if self.packed_f32 is not None:
+                self.weight = empty_weight(self.weight)
+            return self.packed_f32 is not None
         self.packed = skinny_gemm.PackedWeight.of(self.weight, out)
         if self.packed is not None and skinny_gemm.takes_every_batch():
             self.weight = empty_weight(self.weight)
@@ -76,6 +84,9 @@ class Linear(nn.Linear):
         if self.quantized is not None:
             rows = x.reshape(-1, x.shape[-1])
             out = quant_gemm.linear(rows, self.quantized, self.bias, self.input_order).view(*x.shape[:-1], -1)
+        elif self.packed_f32 is not None:
+            rows = x.reshape(-1, x.shape[-1])
+            out = f32_gemm.linear(rows, self.packed_f32, self.bias).view(*x.shape[:-1], -1)
         elif self._uses_packed(x):
             rows = x.reshape(-1, x.shape[-1])
             out = skinny_gemm.linear(rows, self.packed, self.bias).view(*x.shape[:-1], -1)

@@ -16,7 +16,7 @@ from torch import nn
 from pagedserve.attention.torch_paged import paged_attention
 from pagedserve.executor.cpu_allocator import HugePageArena, huge_page_zeros
 from pagedserve.executor.forward_context import get_attention_metadata, get_lora_mapping
-from pagedserve.kernels import fused_ops, quant_gemm, skinny_gemm
+from pagedserve.kernels import f32_gemm, fused_ops, quant_gemm, skinny_gemm
 from pagedserve.kernels.decode_layers import DecodeLayers
 from pagedserve.layers.linear import Linear, empty_weight
 from pagedserve.layers.norm import RMSNorm
@@ -112,6 +112,13 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
+def _packed_shape(weight: torch.Tensor) -> Optional[tuple[int, ...]]:
+    """The shape of the weight's copy for the CPU kernel that takes its dtype, or None where none does."""
+    if weight.dtype == torch.float32:
+        return f32_gemm.PackedWeight.packed_shape(weight)
+    return skinny_gemm.PackedWeight.packed_shape(weight)
+
+
 class LlamaForCausalLM(nn.Module):
     """forward(input_ids [T], positions [T]) -> hidden states [T, hidden]; compute_logits on the rows to sample."""
 
@@ -131,6 +138,8 @@ class LlamaForCausalLM(nn.Module):
         attn = self.model.layers[0].self_attn
         self.rotary = RotaryEmbedding(config, attn.head_dim, max_positions)
         self._packed_lm_head: Optional[skinny_gemm.PackedWeight] = None
+        self._packed_lm_head_f32: Optional[f32_gemm.PackedWeight] = None
+        """float32 on AVX2-only CPUs; the plain weight stays (the tied token embeddings read their rows from it)."""
         self._decode_layers: Optional[DecodeLayers] = None
 
     @staticmethod
@@ -171,6 +180,8 @@ class LlamaForCausalLM(nn.Module):
         it does more than an argmax."""
         if self.quantized_lm_head is not None:
             return quant_gemm.linear(hidden, self.quantized_lm_head)
+        if self._packed_lm_head_f32 is not None:
+            return f32_gemm.linear(hidden, self._packed_lm_head_f32)
         if self._packed_lm_head is not None and (hidden.shape[0] <= skinny_gemm.MAX_ROWS
                                                  or self.lm_head_weight.numel() == 0):
             return skinny_gemm.linear(hidden, self._packed_lm_head)
@@ -186,19 +197,26 @@ class LlamaForCausalLM(nn.Module):
         every bf16 weight is then held only packed, the LM head's too (tied: the token embeddings read their rows
         from it), so that resident weights stay near the checkpoint's size. Where it does not, the linears keep
         both copies, and so does the LM head unless the decoder's linears are kept quantized (AWQ, GPTQ, GGUF
-        with a bf16 head): then it too is held only packed and runs on that kernel at every batch size."""
+        with a bf16 head): then it too is held only packed and runs on that kernel at every batch size.
+
+        float32 weights on AVX2-only CPUs are packed for kernels/f32_gemm.py instead, which takes every batch:
+        the linears are then held only packed; the LM head keeps its plain copy too."""
         linears = [m for m in self.model.modules() if isinstance(m, Linear) and m.quantized is None
                    and not m.held_packed_only]
         lm_head = self.lm_head_weight if self.quantized_lm_head is None and self.lm_head_weight.numel() else None
         weights = [m.weight for m in linears] + [lm_head]
-        shapes = [skinny_gemm.PackedWeight.packed_shape(w) if w is not None else None for w in weights]
         # One buffer for all of them, in huge pages: a small decode step streams every packed weight once.
+        dtype = next((w.dtype for w in weights if w is not None), torch.bfloat16)  # the model's
+        shapes = [_packed_shape(w) if w is not None and w.dtype == dtype else None for w in weights]
         sizes = [math.prod(shape) if shape else 0 for shape in shapes]
-        arena = huge_page_zeros(2 * sum(sizes)).view(torch.bfloat16) if any(sizes) else None
+        arena = huge_page_zeros(dtype.itemsize * sum(sizes)).view(dtype) if any(sizes) else None
         offsets = [sum(sizes[:i]) for i in range(len(sizes))]
         views = [arena[o:o + n] if n else None for o, n in zip(offsets, sizes)]
         packed = sum(m.pack_for_small_batches(view) for m, view in zip(linears, views))
-        if weights[-1] is not None:
+        if weights[-1] is not None and weights[-1].dtype == torch.float32:
+            self._packed_lm_head_f32 = f32_gemm.PackedWeight.of(weights[-1], views[-1])
+            packed += self._packed_lm_head_f32 is not None
+        elif weights[-1] is not None:
             self._packed_lm_head = skinny_gemm.PackedWeight.of(weights[-1], views[-1])
             if self._packed_lm_head is not None and (skinny_gemm.takes_every_batch() or any(
                     m.quantized is not None for m in self.model.modules() if isinstance(m, Linear))):

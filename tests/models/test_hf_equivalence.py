@@ -70,3 +70,26 @@ def test_default_model_greedy_matches_transformers_on_same_weights(default_model
         assert output.outputs[0].text == tokenizer.decode(expected, skip_special_tokens=True)
     assert "Paris" in outputs[0].outputs[0].text
     assert_no_leaked_blocks(llm.engine)
+
+
+def test_greedy_matches_transformers_with_each_isa_levels_kernels(isa, tiny_qwen2_dir):
+    """float32 with the kernels forced to each level this CPU can run; at avx2 every linear and the LM head run on
+    the packed float32 matmul (kernels/f32_gemm.py), biases included (Qwen2's q/k/v)."""
+    from transformers import AutoModelForCausalLM
+
+    from pagedserve.kernels import f32_gemm
+    from pagedserve.layers.linear import Linear
+
+    hf_model = AutoModelForCausalLM.from_pretrained(tiny_qwen2_dir, dtype=torch.float32).eval()
+    prompts = random_prompts(hf_model.config.vocab_size)
+    expected = [hf_greedy(hf_model, p, MAX_TOKENS) for p in prompts]
+    llm = LLM(tiny_qwen2_dir, dtype="float32", kv_cache_memory_bytes=1 << 24, max_num_batched_tokens=64)
+    model = llm.engine.runner.model
+    linears = [m for name, m in model.named_modules() if isinstance(m, Linear) and name != "lm_head"]
+    packed = isa == "avx2" and f32_gemm.available()
+    assert linears and all((m.packed_f32 is not None) == packed for m in linears)
+    assert (model._packed_lm_head_f32 is not None) == packed
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    assert_no_leaked_blocks(llm.engine)
