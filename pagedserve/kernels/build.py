@@ -23,6 +23,7 @@ __AVX2__/__FMA__ macros, which the -march flags above set):
     decode_attention   AVX-512 (+ BF16 dots)   AVX-512 fp32 FMA        AVX2+FMA             plain C
     fused_ops          plain C, auto-vectorized for the level (bit-exact at every level)
     quant_gemm         AVX512-VNNI int8 dots    AVX2 int8 (maddubs)     AVX2 int8 (maddubs)  float32 tiles
+    f32_gemm           none (torch's sgemm)     none (torch's sgemm)    AVX2+FMA fp32        none (torch)
 
 A library is built into ~/.cache/pagedserve (PAGEDSERVE_CACHE_DIR overrides), keyed by its source, the
 headers beside it, the flags (so the level) and the CPU's feature flags. If there is no compiler or the
