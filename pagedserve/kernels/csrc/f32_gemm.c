@@ -11,8 +11,8 @@
  * up to K_SLICE. A (row panel x k slice) piece of x (<= 640 KiB) stays in L2/L3 while the thread walks its
  * column blocks; a column block's (k slice x 16) weights (<= 40 KiB) stay near L1 while every row tile of the
  * panel uses them. Partial sums go through y between k slices. Measured against torch 2.13's sgemm (MKL) on
- * 2 Zen 3 cores, the default model's shapes: 1.1-1.2x at 256 rows (1.76x for the 49,152-column LM head),
- * 1.3-1.5x at 2,048, 1.5-2.2x at 16 and 2x at 1 row (docs/benchmarks.md).
+ * 2 Zen 3 cores, the default model's shapes (benchmarks/f32_matmul.py, docs/benchmarks.md): 1.07-1.41x at 256
+ * rows (the 49,152-column LM head most), 1.01-1.16x at 2,048, 1.5-3.1x at 16, 1.6-3.0x at 1 row.
  *
  * Each output is one fp32 lane summed in k order (slices in order, k in order within a slice), whatever M is
  * and however the rows fall into tiles: a row's result does not depend on the batch. Without AVX2 + FMA there
