@@ -1,7 +1,7 @@
 """Peak rate of this CPU's vector dot-product instructions, from register-only loops (no memory traffic):
 what a matmul kernel could reach at most, to put benchmarks/roofline.py's measured GEMM rates beside.
 
-    python benchmarks/vector_peak.py [--threads 2]
+    python benchmarks/vector_peak.py [--threads 2] [--iterations 60000000]
 
 Builds a small C loop per instruction with gcc (-march=native) and runs it on each thread at once; prints
 GFLOP/s (a multiply and an add are 2, also for int8 products) per thread and in total. Each loop keeps 12
@@ -43,7 +43,7 @@ static __attribute__((noinline)) VEC loop(long iters, VEC a, VEC b) {
     return ADD(c0, c6);
 }
 int main(void) {
-    const long iters = 60000000;
+    const long iters = ITERATIONS;
 #pragma omp parallel
     {
         const double start = now();
@@ -80,10 +80,11 @@ def cpu_flags() -> set[str]:
     return set()
 
 
-def measure(kind: tuple, threads: int, workdir: str) -> list[float]:
+def measure(kind: tuple, threads: int, workdir: str, iterations: int = 60_000_000) -> list[float]:
+    """GFLOP/s of one _KINDS entry on each of `threads` threads (one loop of `iterations` rounds each)."""
     _, vec, set1, op, add, flops = kind
     defines = [f"-DVEC={vec}", f"-DSET1(X)={set1}", f"-DOP(c,a,b)={op}", f"-DADD(x,y)={add}",
-               f"-DFLOPS={flops}"]
+               f"-DFLOPS={flops}", f"-DITERATIONS={iterations}L"]
     src, exe = os.path.join(workdir, "peak.c"), os.path.join(workdir, "peak")
     with open(src, "w") as f:
         f.write(_LOOP)
@@ -96,14 +97,17 @@ def measure(kind: tuple, threads: int, workdir: str) -> list[float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--iterations", type=int, default=60_000_000, help="rounds of the loop per thread")
     args = parser.parse_args()
+    if args.threads < 1 or args.iterations < 1:
+        parser.error("--threads and --iterations must be at least 1")
     flags = cpu_flags()
     with tempfile.TemporaryDirectory() as workdir:
         for name, kind in _KINDS.items():
             if kind[0] not in flags:
                 print(f"{name:34s} skipped: this CPU has no {kind[0]}")
                 continue
-            rates = measure(kind, args.threads, workdir)
+            rates = measure(kind, args.threads, workdir, args.iterations)
             print(f"{name:34s} {sum(rates):7.1f} GFLOP/s on {len(rates)} threads "
                   f"({', '.join(f'{r:.1f}' for r in rates)})")
 
