@@ -78,6 +78,11 @@ class SchedulerConfig:
     """Most requests in one batch."""
     max_num_batched_tokens: int = 2048
     """Most tokens (prefill chunks plus decodes) computed in one step."""
+    max_prefill_tokens: Optional[int] = None
+    """Most prompt tokens (prefill chunks, and recompute after preemption) computed in one step, within
+    max_num_batched_tokens; decodes do not count (SGLang's name). Prompts that arrive together are then
+    prefilled a few at a time, so the first ones start streaming before the last are prefilled. None: no cap
+    beyond max_num_batched_tokens. Needs chunked prefill."""
     max_model_len: int = 2048
     """Longest sequence in tokens; filled in from ModelConfig once the model is known."""
     enable_chunked_prefill: bool = True
@@ -97,6 +102,11 @@ class SchedulerConfig:
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
                              f"got {self.scheduling_policy!r}")
+        if self.max_prefill_tokens is not None:
+            if self.max_prefill_tokens < 1:
+                raise ValueError(f"max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}")
+            if not self.enable_chunked_prefill:
+                raise ValueError("max_prefill_tokens needs chunked prefill: without it a prompt must fit one step")
         if not self.scheduler_delay_factor >= 0:
             raise ValueError(f"scheduler_delay_factor must be >= 0, got {self.scheduler_delay_factor}")
 

@@ -8,6 +8,7 @@ preemption are the same thing seen from here.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Callable, Iterable, Optional
 
 from pagedserve.config import SchedulerConfig
@@ -16,6 +17,25 @@ from pagedserve.core.request import Request, RequestIdInUseError, RequestStatus
 from pagedserve.core.sched_policy import make_policy
 from pagedserve.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from pagedserve.lora.slots import SlotTable
+
+
+@dataclass
+class StepBudget:
+    """The tokens a step may still hand out: in all, and of those to prefills (max_prefill_tokens). A request
+    with more than one token to compute is prefilling (a prompt, or recompute after preemption); a decode
+    computes one."""
+
+    tokens: int
+    prefill_tokens: int
+
+    def grant(self, to_compute: int) -> int:
+        """How many of a request's `to_compute` tokens this step can take."""
+        return min(to_compute, self.tokens if to_compute == 1 else min(self.tokens, self.prefill_tokens))
+
+    def spend(self, granted: int, to_compute: int) -> None:
+        self.tokens -= granted
+        if to_compute > 1:
+            self.prefill_tokens -= granted
 
 
 class Scheduler:
@@ -80,29 +100,27 @@ class Scheduler:
         oldest = min(r.arrival_time for r in self.waiting)
         return now - oldest >= factor * self._last_step_duration
 
+    def _new_budget(self) -> StepBudget:
+        tokens, cap = self.config.max_num_batched_tokens, self.config.max_prefill_tokens
+        return StepBudget(tokens, tokens if cap is None else cap)
+
     def _schedule_fcfs(self, out: SchedulerOutput, admit: bool) -> None:
-        budget = self.config.max_num_batched_tokens
+        budget = self._new_budget()
         # Running requests first, oldest first; when blocks run out, preempt the newest.
         i = 0
-        while i < len(self.running) and budget > 0:
-            scheduled = self._schedule_running(self.running[i], budget, out)
-            if scheduled is not None:
-                budget -= scheduled
+        while i < len(self.running) and budget.tokens > 0:
+            if self._schedule_running(self.running[i], budget, out):
                 i += 1
         # Then waiting requests, in order, unless this step already had to preempt (memory is tight). One
         # whose LoRA adapter can get no slot, or whose grammar is still compiling, is passed over (it stays
         # first in line); those behind it may run.
         passed = 0
-        while (admit and budget > 0 and not out.preempted_request_ids
+        while (admit and budget.tokens > 0 and not out.preempted_request_ids
                and len(self.running) < self.config.max_num_seqs):
             passed = self._first_admissible(passed)
-            if passed == len(self.waiting):
-                break
-            scheduled = self._try_admit(self.waiting[passed], budget, out)
-            if scheduled is None:
+            if passed == len(self.waiting) or not self._try_admit(self.waiting[passed], budget, out):
                 break
             self.running.append(self.waiting.pop_at(passed))
-            budget -= scheduled
 
     def _schedule_by_key(self, out: SchedulerOutput, admit: bool) -> None:
         """Running and waiting requests in one walk in key order (running first among equals); a waiting
@@ -110,15 +128,13 @@ class Scheduler:
         key = self.policy.key
         self.policy.before_schedule(self.waiting)
         self.running.sort(key=key)
-        budget, i, admitted, passed = self.config.max_num_batched_tokens, 0, [], 0
-        while budget > 0:
+        budget, i, admitted, passed = self._new_budget(), 0, [], 0
+        while budget.tokens > 0:
             # Waiting requests that cannot start yet (LoRA slot, grammar) are passed over, as under fcfs.
             passed = self._first_admissible(passed) if admit else passed
             head = self.waiting[passed] if admit and passed < len(self.waiting) else None
             if i < len(self.running) and (head is None or not key(head) < key(self.running[i])):
-                scheduled = self._schedule_running(self.running[i], budget, out)
-                if scheduled is not None:
-                    budget -= scheduled
+                if self._schedule_running(self.running[i], budget, out):
                     i += 1
                 continue
             if head is None:
@@ -126,12 +142,10 @@ class Scheduler:
             if head.request_id in out.preempted_request_ids:
                 admit = False  # nothing better left to admit than what this step had to preempt
                 continue
-            scheduled = self._admit_preempting(head, budget, out, first_unscheduled=i, num_admitted=len(admitted))
-            if scheduled is None:
+            if not self._admit_preempting(head, budget, out, first_unscheduled=i, num_admitted=len(admitted)):
                 admit = False
                 continue
             admitted.append(self.waiting.pop_at(passed))
-            budget -= scheduled
         self.running.extend(admitted)
 
     def _first_admissible(self, start: int) -> int:
@@ -146,43 +160,46 @@ class Scheduler:
         generation = request.lora_generation
         return self.lora_slots is None or generation is None or self.lora_slots.can_acquire(generation)
 
-    def _schedule_running(self, request: Request, budget: int, out: SchedulerOutput) -> Optional[int]:
-        """Schedule a running request's next tokens; the number scheduled, or None when it was preempted."""
-        num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+    def _schedule_running(self, request: Request, budget: StepBudget, out: SchedulerOutput) -> bool:
+        """Schedule a running request's next tokens, if the budget has any for it (a prefill may find the
+        step's prefill tokens spent: it waits a step); False when it was preempted."""
+        to_compute = request.num_tokens - request.num_computed_tokens
+        num_new = budget.grant(to_compute)
+        if num_new == 0:
+            return True
         if not self._allocate_or_preempt(request, num_new, out):
-            return None
+            return False
         out.scheduled.append(ScheduledRequest(request, num_new, self.kv.get_block_ids(request.request_id)))
-        return num_new
+        budget.spend(num_new, to_compute)
+        return True
 
-    def _admit_preempting(self, request: Request, budget: int, out: SchedulerOutput, first_unscheduled: int,
-                          num_admitted: int) -> Optional[int]:
+    def _admit_preempting(self, request: Request, budget: StepBudget, out: SchedulerOutput, first_unscheduled: int,
+                          num_admitted: int) -> bool:
         """Admit a waiting request, preempting running requests it may preempt (worst first, never one
-        already scheduled this step) while it finds no room."""
-        if not self.config.enable_chunked_prefill and self._prefill_size(request)[2] > budget:
-            return None  # preempting frees blocks and slots, not this step's token budget
+        already scheduled this step) while it finds no room. False when it was not admitted."""
+        num_new = self._prefill_size(request)[2]
+        if budget.grant(num_new) < (1 if self.config.enable_chunked_prefill else num_new):
+            return False  # preempting frees blocks and slots, not this step's token budget
         while True:
-            if len(self.running) + num_admitted < self.config.max_num_seqs:
-                scheduled = self._try_admit(request, budget, out)
-                if scheduled is not None:
-                    return scheduled
+            if len(self.running) + num_admitted < self.config.max_num_seqs and self._try_admit(request, budget, out):
+                return True
             if len(self.running) <= first_unscheduled or not self.policy.may_preempt(request, self.running[-1]):
-                return None
+                return False
             victim = self.running.pop()
             self._preempt(victim)
             out.preempted_request_ids.append(victim.request_id)
 
-    def _try_admit(self, request: Request, budget: int, out: SchedulerOutput) -> Optional[int]:
-        """Give a waiting request (no KV: new, or preempted) its first chunk; None when it does not fit.
+    def _try_admit(self, request: Request, budget: StepBudget, out: SchedulerOutput) -> bool:
+        """Give a waiting request (no KV: new, or preempted) its first chunk; False when it does not fit.
         The caller moves it from the waiting queue to the running batch."""
-        computed_blocks, num_cached, num_new = self._prefill_size(request)
-        if num_new > budget:
-            if not self.config.enable_chunked_prefill:
-                return None
-            num_new = budget
+        computed_blocks, num_cached, to_compute = self._prefill_size(request)
+        num_new = budget.grant(to_compute)
+        if num_new == 0 or (num_new < to_compute and not self.config.enable_chunked_prefill):
+            return False
         request.num_computed_tokens = num_cached
         if not self.kv.allocate_slots(request, num_new, computed_blocks):
             request.num_computed_tokens = 0
-            return None
+            return False
         self.kv.record_prefix_lookup(request.num_tokens, num_cached)
         if self.lora_slots is not None and request.lora_generation is not None:
             self.lora_slots.acquire(request.lora_generation)  # the caller checked _lora_slot_free
@@ -191,7 +208,8 @@ class Scheduler:
             request.first_scheduled_time = time.time()
             request.num_cached_tokens = num_cached
         out.scheduled.append(ScheduledRequest(request, num_new, self.kv.get_block_ids(request.request_id)))
-        return num_new
+        budget.spend(num_new, to_compute)
+        return True
 
     def _prefill_size(self, request: Request) -> tuple[list[int], int, int]:
         """A waiting request's cached leading blocks, their tokens, and the tokens left to compute."""

@@ -46,6 +46,71 @@ def test_token_budget_chunks_long_prompts_and_resumes_them():
     assert req.num_computed_tokens == 25
 
 
+def scheduled(out):
+    return [(s.request.request_id, s.num_tokens) for s in out.scheduled]
+
+
+def run_step_counting_prefill(sched: Scheduler):
+    """One step; the tokens it gave to requests that had more than one token to compute (prefills)."""
+    out = sched.schedule()
+    prefill = sum(s.num_tokens for s in out.scheduled if s.request.num_tokens - s.request.num_computed_tokens > 1)
+    sched.update_from_output(out, {s.request.request_id: 7 for s in out.scheduled if s.samples})
+    return out, prefill
+
+
+def test_max_prefill_tokens_prefills_prompts_that_arrive_together_a_few_at_a_time():
+    sched = make_scheduler(max_num_batched_tokens=64, max_prefill_tokens=10)
+    for rid in "abc":
+        sched.add_request(make_request(rid, 6))
+    first, _ = run_step(sched)
+    assert scheduled(first) == [("a", 6), ("b", 4)]  # b's prompt chunked at the cap
+    second, _ = run_step(sched)
+    assert scheduled(second) == [("a", 1), ("b", 2), ("c", 6)]  # a decodes outside the cap
+    third, _ = run_step(sched)
+    assert scheduled(third) == [("a", 1), ("b", 1), ("c", 1)]
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority", "fair"])
+def test_max_prefill_tokens_caps_each_steps_prompt_tokens_under_every_policy_and_changes_no_token(policy):
+    def run(cap):
+        sched = make_scheduler(num_blocks=200, max_num_batched_tokens=48, max_prefill_tokens=cap,
+                               scheduling_policy=policy)
+        requests = [make_request(str(i), 5 + 3 * i, max_tokens=4 + i) for i in range(6)]
+        for r in requests:
+            sched.add_request(r)
+        prefill_per_step = []
+        while sched.has_unfinished_requests():
+            prefill_per_step.append(run_step_counting_prefill(sched)[1])
+        assert sched.kv.num_free_blocks == 200
+        return [r.output_token_ids for r in requests], prefill_per_step
+
+    capped, steps_capped = run(7)
+    uncapped, steps_uncapped = run(None)
+    assert capped == uncapped
+    assert max(steps_capped) == 7 < max(steps_uncapped)
+    assert sum(steps_capped) == sum(steps_uncapped) == sum(5 + 3 * i for i in range(6))
+
+
+def test_max_prefill_tokens_applies_to_recompute_after_preemption():
+    sched = make_scheduler(num_blocks=5, block_size=4, max_prefill_tokens=4)
+    a, b = make_request("a", 8, max_tokens=10), make_request("b", 8, max_tokens=10)
+    sched.add_request(a)
+    sched.add_request(b)
+    prefill_per_step = []
+    while sched.has_unfinished_requests():
+        prefill_per_step.append(run_step_counting_prefill(sched)[1])
+    assert b.num_preemptions >= 1 and max(prefill_per_step) == 4
+    assert a.num_output_tokens == 10 and b.num_output_tokens == 10
+    assert sched.kv.num_free_blocks == 5
+
+
+def test_max_prefill_tokens_is_checked():
+    with pytest.raises(ValueError, match="max_prefill_tokens must be >= 1"):
+        SchedulerConfig(max_prefill_tokens=0)
+    with pytest.raises(ValueError, match="max_prefill_tokens needs chunked prefill"):
+        SchedulerConfig(max_prefill_tokens=256, enable_chunked_prefill=False)
+
+
 def test_without_chunked_prefill_a_prompt_over_budget_waits_for_budget():
     sched = make_scheduler(max_num_batched_tokens=10, enable_chunked_prefill=False)
     sched.add_request(make_request("a", 8))

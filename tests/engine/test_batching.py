@@ -42,6 +42,27 @@ def test_chunked_prefill_gives_the_same_result(tiny_llama_dir, llm):
     assert_no_leaked_blocks(chunked.engine)
 
 
+def test_max_prefill_tokens_gives_the_same_results_and_caps_every_steps_prompt_tokens(tiny_llama_dir, llm):
+    batch = prompts(8, seed=4, lo=20, hi=90)
+    expected = token_ids(llm.generate(batch, GREEDY, use_tqdm=False))
+    capped = LLM(tiny_llama_dir, dtype="float32", kv_cache_memory_bytes=1 << 24, max_num_batched_tokens=256,
+                 max_prefill_tokens=24)
+    scheduler, prefill_per_step = capped.engine.scheduler, []
+    schedule = scheduler.schedule
+
+    def recording_schedule():
+        out = schedule()
+        prefill_per_step.append(sum(s.num_tokens for s in out.scheduled
+                                    if s.request.num_tokens - s.request.num_computed_tokens > 1))
+        return out
+
+    scheduler.schedule = recording_schedule
+    assert token_ids(capped.generate(batch, GREEDY, use_tqdm=False)) == expected
+    assert max(prefill_per_step) == 24
+    assert sum(prefill_per_step) == sum(len(p["prompt_token_ids"]) for p in batch)
+    assert_no_leaked_blocks(capped.engine)
+
+
 def test_preemption_with_a_tiny_pool_gives_the_same_results(tiny_llama_dir, llm):
     batch = prompts(20, seed=5, lo=5, hi=40)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
