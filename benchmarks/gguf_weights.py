@@ -9,7 +9,7 @@ with pagedserve's GGUF writer from the float weights, token embeddings in the sa
 token embeddings / LM head are one quantized table too). Prompts are random token ids, so the
 requantized files need no tokenizer of their own. The cases run interleaved --repeats times; medians.
 
-    python benchmarks/gguf_weights.py [--repeats 2] [--dtype auto] [--w1-requests 256]
+    python benchmarks/gguf_weights.py [--repeats 2] [--dtype auto] [--w1-requests 256] [--kernel-flags='...']
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import torch
 from pagedserve.benchmarks.cpu_kind import cpu_kind
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.kernels import quant_gemm
+from pagedserve.kernels.build import load_library
 from pagedserve.loader.gguf_writer import write_gguf
 from pagedserve.loader.model_loader import default_model_path, open_checkpoint
 
@@ -49,13 +50,15 @@ def requantized(quant: str, folder: str, by_kind: dict | None = None) -> str:
 
 
 def weight_bytes(engine: LLMEngine) -> int:
-    """Parameters, kept-quantized weights (and GPTQ act-order's input orders) and the bf16 copies packed for
-    small batches (LM head included), each counted once."""
+    """Parameters, kept-quantized weights (and GPTQ act-order's input orders) and the copies packed for the
+    small-batch kernels (bf16, or float32 on AVX2-only CPUs; LM head included), each counted once."""
     model = engine.runner.model
     dense = sum(p.numel() * p.element_size() for p in model.parameters())
     kept = sum(m.quantized.nbytes + (0 if getattr(m, "input_order", None) is None else m.input_order.nbytes)
                for m in model.modules() if getattr(m, "quantized", None) is not None)
-    packed = [m.packed for m in model.modules() if getattr(m, "packed", None) is not None] + [model._packed_lm_head]
+    packed = [getattr(m, name) for m in model.modules() for name in ("packed", "packed_f32")
+              if getattr(m, name, None) is not None]
+    packed += [getattr(model, "_packed_lm_head", None), getattr(model, "_packed_lm_head_f32", None)]
     unique = {id(p): p for p in packed if p is not None}  # a tied table held packed is the LM head's copy
     return dense + kept + sum(p.data.numel() * p.data.element_size() for p in unique.values())
 
@@ -108,9 +111,15 @@ def arguments(description: str, **extra: dict) -> argparse.Namespace:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--w1-requests", type=int, default=256)
+    parser.add_argument("--kernel-flags", default="",
+                        help="extra gcc flags for the quantized kernel's build (--kernel-flags='...'), e.g. "
+                             "'-mavx512vnni -mavx512vl' with PAGEDSERVE_CPU_ISA=avx2: the AVX2 path's 256-bit VNNI form")
     for name, options in extra.items():
         parser.add_argument("--" + name.replace("_", "-"), **options)
-    return parser.parse_args()
+    args = parser.parse_args()
+    if args.kernel_flags:
+        load_library("quant_gemm", tuple(args.kernel_flags.split()))  # the build the quantized layers then use
+    return args
 
 
 def main() -> None:

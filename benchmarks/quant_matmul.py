@@ -13,6 +13,7 @@ bf16 copies packed for small batches and the quantized records each in huge page
 from memory as a model's does, not from cache. Medians of --repeats; one process, interleaved.
 
     python benchmarks/quant_matmul.py [--model smollm2-135m] [--rows 1,16,64,256] [--repeats 5]
+                                      [--kernel-flags='-mavx512vnni -mavx512vl']
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import torch
 from pagedserve.benchmarks.cpu_kind import cpu_kind
 from pagedserve.executor.cpu_allocator import HugePageArena, huge_page_zeros
 from pagedserve.kernels import quant_gemm, skinny_gemm
+from pagedserve.kernels.build import load_library
 
 MODELS = {"smollm2-135m": ([(960, 576), (576, 576), (3072, 576), (576, 1536)], 30),
           "qwen3-0.6b": ([(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072)], 28)}
@@ -81,7 +83,13 @@ def main() -> None:
     parser.add_argument("--model", choices=sorted(MODELS), default="smollm2-135m")
     parser.add_argument("--rows", default="1,16,64,256")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--kernel-flags", default="",
+                        help="extra gcc flags for the quantized kernel's build (--kernel-flags='...'), e.g. "
+                             "'-mavx512vnni -mavx512vl' with PAGEDSERVE_CPU_ISA=avx2 measures the AVX2 path's 256-bit "
+                             "VNNI form on an AVX-512 CPU, '-mno-avxvnni' its maddubs form on an AVX-VNNI one")
     args = parser.parse_args()
+    if args.kernel_flags:
+        load_library("quant_gemm", tuple(args.kernel_flags.split()))  # the build quant_gemm then uses
     shapes, layers = MODELS[args.model]
     names = types_for(shapes)
     bf16 = [(torch.randn(n, k).bfloat16(), k) for _ in range(layers) for n, k in shapes]

@@ -10,7 +10,9 @@ built or installed the package:
     generic      none                                      -march=x86-64-v2 (no -march off x86)
 
 Each level needs the flags of the levels below it too (the flags in parentheses are what the x86-64-v4/v3
-targets also let gcc emit). Intel CPUs with AMX-BF16 also have AVX512-BF16 and take the avx512_bf16 level;
+targets also let gcc emit). The avx2 and avx512 levels also take -mavxvnni where the CPU has `avx_vnni`, and
+avx512 takes -mavx512vnni where it has `avx512_vnni` (Cascade Lake, Ice Lake: VNNI without AVX512-BF16), for
+quant_gemm's int8 dot products. Intel CPUs with AMX-BF16 also have AVX512-BF16 and take the avx512_bf16 level;
 AMD EPYC before Zen 4 takes avx2. PAGEDSERVE_CPU_ISA=<level> forces a level at or below the CPU's (to test
 or measure a lower path on a bigger CPU); an unknown level, or one this CPU cannot run, is a ValueError.
 `cpu_isa()` names the level in force.
@@ -22,8 +24,11 @@ __AVX2__/__FMA__ macros, which the -march flags above set):
     skinny_gemm        AVX-512 BF16 dots       AVX2+FMA fp32           AVX2+FMA fp32        none (torch)
     decode_attention   AVX-512 (+ BF16 dots)   AVX-512 fp32 FMA        AVX2+FMA             plain C
     fused_ops          plain C, auto-vectorized for the level (bit-exact at every level)
-    quant_gemm         AVX512-VNNI int8 dots    AVX2 int8 (maddubs)     AVX2 int8 (maddubs)  float32 tiles
+    quant_gemm         AVX512-VNNI int8 dots    AVX512-VNNI int8 dots*  AVX-VNNI int8 dots*  float32 tiles
     f32_gemm           none (torch's sgemm)     none (torch's sgemm)    AVX2+FMA fp32        none (torch)
+
+    * where the CPU has avx512_vnni (avx512) or avx_vnni (avx2, avx512): the optional flags above; else AVX2's
+      maddubs, with the same int32 sums (so the same results bit for bit).
 
 A library is built into ~/.cache/pagedserve (PAGEDSERVE_CACHE_DIR overrides), keyed by its source, the
 headers beside it, the flags (so the level) and the CPU's feature flags. If there is no compiler or the
@@ -67,6 +72,13 @@ _MARCH = {
     "avx2": ["-march=x86-64-v3", "-mtune=native"],
     "generic": ["-march=x86-64-v2"],
 }
+
+_OPTIONAL = (  # (lowest level, CPU flag, gcc flag): added at that level and above where the CPU has the flag
+    ("avx2", "avx_vnni", "-mavxvnni"),  # 256-bit int8 dot products: Alder Lake and later, Sierra Forest, Zen 5
+    ("avx512", "avx512_vnni", "-mavx512vnni"),  # 512-bit ones without AVX512-BF16: Cascade Lake, Ice Lake
+)
+"""Features a level's -march does not promise but a kernel uses where the CPU has them (quant_gemm's VNNI
+paths); avx512_bf16 builds with -march=native, which has them already."""
 
 _loaded: dict[str, Optional[ctypes.CDLL]] = {}
 _level: Optional[str] = None
@@ -131,7 +143,16 @@ def flags_for(level: str) -> list[str]:
     """gcc flags for a level (off x86, generic builds for the compiler's default target)."""
     if level == "generic" and not _on_x86():
         return list(COMMON_FLAGS)
-    return [*COMMON_FLAGS, *_MARCH[level]]
+    return [*COMMON_FLAGS, *_MARCH[level], *optional_flags(level, _cpu_flags().split(":", 1)[-1].split())]
+
+
+def optional_flags(level: str, cpu_flags: Iterable[str]) -> list[str]:
+    """The gcc flags of _OPTIONAL that a build at `level` takes on a CPU with `cpu_flags`."""
+    if level == "avx512_bf16":
+        return []
+    cpu_flags = set(cpu_flags)
+    return [gcc for lowest, flag, gcc in _OPTIONAL
+            if ISA_LEVELS.index(level) >= ISA_LEVELS.index(lowest) and flag in cpu_flags]
 
 
 def reset() -> None:

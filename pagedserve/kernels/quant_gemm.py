@@ -1,10 +1,11 @@
 """Linear layers on block-quantized weights (csrc/quant_gemm.c): GGUF Q8_0 / Q4_0 / Q4_1 / Q4_K / Q6_K weights
 kept quantized in memory and computed from directly, for any number of rows.
 
-Paths by ISA level (kernels/build.py): avx512_bf16 (whose CPUs all have AVX512-VNNI) quantizes the activations
-per row and group of 32 to int8 and uses VNNI int8 dot products; avx512 and avx2 do the same with AVX2's
-maddubs (the same int32 sums, the same float operations: the same results); generic dequantizes each weight
-record into a float32 tile and multiplies the float activations in (no activation quantization).
+Paths by ISA level (kernels/build.py): avx512_bf16 (whose CPUs all have AVX512-VNNI), and avx512 on CPUs with
+AVX512-VNNI, quantize the activations per row and group of 32 to int8 and use 512-bit VNNI int8 dot products;
+avx2 and avx512 otherwise do the same 8 columns at a time, with 256-bit VNNI where the CPU has AVX-VNNI, else
+with AVX2's maddubs (the same int32 sums, the same float operations: the same results); generic dequantizes
+each weight record into a float32 tile and multiplies the float activations in (no activation quantization).
 `QuantizedWeight.pack(...)` lays a weight out once (`pack_shards` a fused linear whose shards have different
 kinds), with float16 scales where every scale and offset is one exactly (Q8_0, Q4_0, Q4_1: the weight then takes
 what the file does), no stored offsets where they are -8 x the scale (Q4_0), and the scales of Q4_K / Q6_K
@@ -66,8 +67,8 @@ def available() -> bool:
 
 
 def quantizes_activations() -> bool:
-    """Whether the kernel in force quantizes activations to int8 and uses integer dot products (AVX-512 VNNI or
-    AVX2), else it multiplies float activations into dequantized tiles."""
+    """Whether the kernel in force quantizes activations to int8 and uses integer dot products (VNNI or AVX2),
+    else it multiplies float activations into dequantized tiles."""
     return available() and bool(_lib().int8_path())
 
 
@@ -75,7 +76,8 @@ def kernel_name() -> str:
     """The path in force, for logs and benchmarks."""
     if not available():
         return "none (no C compiler)"
-    return {1: "AVX512-VNNI int8", 2: "AVX2 int8 (maddubs)"}.get(_lib().int8_path(), "float32 tiles")
+    return {1: "AVX512-VNNI int8", 2: "AVX2 int8 (maddubs)", 3: "AVX2 int8 (256-bit VNNI)"}.get(_lib().int8_path(),
+                                                                                              "float32 tiles")
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,8 @@ from pagedserve.kernels import build, fused_ops, skinny_gemm
 
 AVX2_CPU = "fpu sse4_2 avx avx2 fma f16c bmi1 bmi2".split()  # e.g. an AMD EPYC before Zen 4
 ZEN4_CPU = AVX2_CPU + "avx512f avx512bw avx512vl avx512cd avx512dq avx512_bf16".split()
-EXTRA_FLAGS = {"skinny_gemm": (), "decode_attention": cpu_decode._EXTRA_FLAGS, "fused_ops": fused_ops._EXTRA_FLAGS}
+EXTRA_FLAGS = {"skinny_gemm": (), "decode_attention": cpu_decode._EXTRA_FLAGS, "fused_ops": fused_ops._EXTRA_FLAGS,
+               "quant_gemm": ()}
 """Each library's flags as its wrapper builds it (so that the tests load the very libraries the layers use)."""
 
 
@@ -74,6 +75,16 @@ def test_override_rejects_a_level_above_the_cpu(fresh):
             build.cpu_isa()
 
 
+def test_vnni_flags_are_added_where_the_cpu_has_vnni_and_the_level_has_its_registers():
+    cascade_lake = [f for f in ZEN4_CPU if f != "avx512_bf16"] + ["avx512_vnni"]
+    alder_lake = AVX2_CPU + ["avx_vnni"]
+    assert build.optional_flags("avx512", cascade_lake) == ["-mavx512vnni"]
+    assert build.optional_flags("avx2", cascade_lake) == []  # 512-bit VNNI needs the AVX-512 level
+    assert build.optional_flags("avx2", alder_lake) == build.optional_flags("avx512", alder_lake) == ["-mavxvnni"]
+    assert build.optional_flags("avx2", AVX2_CPU) == build.optional_flags("generic", alder_lake) == []
+    assert build.optional_flags("avx512_bf16", ZEN4_CPU + ["avx512_vnni", "avx_vnni"]) == []  # -march=native
+
+
 def test_each_level_builds_its_own_library(isa):
     library = build.load_library("fused_ops", EXTRA_FLAGS["fused_ops"])
     if library is None:
@@ -83,7 +94,7 @@ def test_each_level_builds_its_own_library(isa):
 
 @pytest.mark.skipif(shutil.which("objdump") is None, reason="no objdump")
 @pytest.mark.parametrize("level", ["avx2", "generic"])
-@pytest.mark.parametrize("name", ["skinny_gemm", "decode_attention", "fused_ops"])
+@pytest.mark.parametrize("name", ["skinny_gemm", "decode_attention", "fused_ops", "quant_gemm"])
 def test_lower_levels_hold_no_wider_instructions(fresh, level, name):
     """What an AVX2 CPU would fault on: no AVX-512 register (zmm, mask) in the avx2 build, no AVX in generic."""
     if build.ISA_LEVELS.index(level) > build.ISA_LEVELS.index(build.native_isa()):

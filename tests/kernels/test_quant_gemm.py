@@ -274,6 +274,42 @@ def test_the_avx2_int8_path_gives_the_vnni_paths_results_bit_for_bit(kind, stora
     assert torch.equal(outputs["avx512_bf16"], outputs["avx2"])
 
 
+def vnni_256_flags() -> tuple[str, ...]:
+    """Extra gcc flags for an avx2-level build with 256-bit VNNI on this CPU: none where it has AVX-VNNI (the level
+    adds -mavxvnni), AVX512-VNNI's EVEX form where it has that and AVX512VL; skips where it has neither."""
+    with open("/proc/cpuinfo") as f:
+        flags = set(next((line for line in f if line.startswith("flags")), ":").split(":", 1)[1].split())
+    if "avx_vnni" in flags:
+        return ()
+    if {"avx512_vnni", "avx512vl"} <= flags:
+        return ("-mavx512vnni", "-mavx512vl")
+    pytest.skip("CPU has no AVX-VNNI or AVX512-VNNI: the AVX2 path's 256-bit VNNI form is not tested here")
+
+
+@pytest.mark.parametrize("kind, storage", KIND_STORAGES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_the_avx2_paths_vnni_and_maddubs_forms_give_the_same_results_bit_for_bit(kind, storage, dtype, monkeypatch):
+    """AVX2 CPUs with AVX-VNNI (Alder Lake, Sierra Forest) sum the same int32 products with one VPDPBUSD as the
+    others with maddubs + madd, so they compute the same tokens; also at 1 row, a full pass and a partial one."""
+    from pagedserve.kernels import build
+
+    extra = vnni_256_flags()
+    weight = random_weight(48, 512, kind, seed=41)
+    packed = pack(weight, storage)
+    x = torch.randn(11, 512, generator=torch.Generator().manual_seed(42)).to(dtype)
+    bias = torch.randn(48).to(dtype)
+    outputs = {}
+    monkeypatch.setenv("PAGEDSERVE_CPU_ISA", "avx2")
+    for path, flags in ((3, extra), (2, ("-mno-avxvnni",))):
+        build.reset()
+        build.load_library("quant_gemm", flags)
+        assert quant_gemm._lib().int8_path() == path, quant_gemm.kernel_name()
+        outputs[path] = [quant_gemm.linear(x[:rows], packed, bias) for rows in (1, 4, 11)]
+    build.reset()
+    for vnni, maddubs in zip(outputs[3], outputs[2]):
+        assert torch.equal(vnni, maddubs)
+
+
 def test_asking_for_float16_scales_that_are_no_float16_values_is_an_error():
     weight = random_weight(16, 64, 4)
     weight.scales[0, 0] = 1 / 3

@@ -40,7 +40,10 @@
  * - AVX2 + FMA + F16C (the avx2 and avx512 levels: Zen 2/3, Skylake-X): the same activation codes and the same
  *   int32 sums, 8 columns at a time, through maddubs (unsigned x signed bytes into int16 pairs; kind 8's signed
  *   codes go in as |q| with xq carrying q's sign, so no pair saturates) and madd; then the same float
- *   operations per column as the VNNI path, so both give the same results bit for bit.
+ *   operations per column as the VNNI path, so both give the same results bit for bit. Where the build has
+ *   256-bit VNNI (AVX-VNNI: Alder Lake and later, Sierra Forest; or AVX512-VNNI + VL, whose EVEX form of the
+ *   same instruction lets an AVX-512 machine test this path), one VPDPBUSD per quad replaces maddubs + madd +
+ *   add, taking kind 8's stored q + 128 as the 512-bit path does.
  * - everything else: each record is dequantized into a [32][16] float tile (w exactly as above, in float32),
  *   and every row's x (float32) is multiplied in with FMAs: no activation quantization.
  * Each output is summed in float32 in k order whatever M is, so a row's result does not depend on the batch.
@@ -56,6 +59,14 @@
 
 #define GROUP 32
 #define COLS 16
+
+/* 256-bit int8 dot products (VPDPBUSD on ymm) for the AVX2 path: AVX-VNNI's VEX form, or AVX512-VNNI's EVEX one
+ * (AVX512VL), the same operation. */
+#if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
+#define DOT_VNNI_256 1
+#else
+#define DOT_VNNI_256 0
+#endif
 #define ROWS_PER_PASS 8
 
 #define MIXED 1
@@ -190,12 +201,13 @@ static inline const uint8_t *block_records(const uint8_t *packed, int64_t nb, in
     return packed + table[2 * nb];
 }
 
-/* Which path this build runs: 1 AVX-512 VNNI, 2 AVX2 int8 (both quantize the activations), 0 float tiles. */
+/* Which path this build runs: 1 AVX-512 VNNI, 2 AVX2 int8 (maddubs), 3 AVX2 int8 with 256-bit VNNI (all three
+ * quantize the activations), 0 float tiles. */
 int int8_path(void) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
     return 1;
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-    return 2;
+    return DOT_VNNI_256 ? 3 : 2;
 #else
     return 0;
 #endif
@@ -561,11 +573,14 @@ static void quantize_rows(const void *x, int64_t m, int64_t k, int bf16, int8_t 
 }
 
 /* Quad j's codes of the 8 columns of half ch of a record (32 bytes: 4 k per column): unsigned for kinds 4 and
- * 6, signed q for kind 8 (its stored q + 128 with the top bit flipped back). */
+ * 6; for kind 8 signed q for maddubs (its stored q + 128 with the top bit flipped back), the stored q + 128 for
+ * VPDPBUSD. */
 static inline __attribute__((always_inline)) __m256i half_quad_codes(const uint8_t *rec, const int kind, int j, int ch) {
     const __m256i low = _mm256_set1_epi8(0x0f);
-    if (base_kind(kind) == 8)
-        return _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(rec + 64 * j + 32 * ch)), _mm256_set1_epi8((char)0x80));
+    if (base_kind(kind) == 8) {
+        const __m256i stored = _mm256_loadu_si256((const __m256i *)(rec + 64 * j + 32 * ch));
+        return DOT_VNNI_256 ? stored : _mm256_xor_si256(stored, _mm256_set1_epi8((char)0x80));
+    }
     const __m256i v = _mm256_loadu_si256((const __m256i *)(rec + 64 * (j % 4) + 32 * ch));
     __m256i w = _mm256_and_si256(j < 4 ? v : _mm256_srli_epi16(v, 4), low);
     if (base_kind(kind) == 6) { /* quad j's top 2 bits sit at bit 2 * (j / 2) of the high-bit bytes j % 2 */
@@ -608,17 +623,27 @@ static inline __attribute__((always_inline)) void half_scales_of(const uint8_t *
     if (scale_vectors(kind) == 1) sv[1] = _mm256_mul_ps(sv[0], _mm256_set1_ps(base_kind(kind) == 8 ? -128.f : -8.f));
 }
 
-/* Per column, the sum of its 4 codes times the 4 activation codes in xq4 (every dword the same 4 bytes), exact in
- * int32: maddubs takes unsigned x signed bytes into saturating int16 pairs, so kind 8's signed codes go in as
- * |q| with xq carrying q's sign (no pair reaches 2^15); nibbles and 6-bit codes are unsigned already. */
-static inline __attribute__((always_inline)) __m256i dot_quads(__m256i w, __m256i xq4, const int kind) {
+/* acc plus, per column, the sum of its 4 codes times the 4 activation codes in xq4 (every dword the same 4
+ * bytes), exact in int32. VPDPBUSD takes the unsigned codes as they are (kind 8's q + 128: its sum starts at
+ * -128 sum(xq)); maddubs takes unsigned x signed bytes into saturating int16 pairs, so kind 8's signed codes go
+ * in as |q| with xq carrying q's sign (no pair reaches 2^15); nibbles and 6-bit codes are unsigned already. */
+static inline __attribute__((always_inline)) __m256i dot_quads(__m256i acc, __m256i w, __m256i xq4, const int kind) {
+#if DOT_VNNI_256 && defined(__AVXVNNI__)
+    (void)kind;
+    return _mm256_dpbusd_avx_epi32(acc, w, xq4);
+#elif DOT_VNNI_256
+    (void)kind;
+    return _mm256_dpbusd_epi32(acc, w, xq4);
+#else
     const __m256i ones = _mm256_set1_epi16(1);
-    if (base_kind(kind) == 8) return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(xq4, w)), ones);
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(w, xq4), ones);
+    if (base_kind(kind) == 8)
+        return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(xq4, w)), ones));
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, xq4), ones));
+#endif
 }
 
 /* Rows [r0, r0 + rows) of column block nb, 8 columns at a time; the same int32 sums as the VNNI path, then the
- * same float operations per column (kind 8 sums q xq directly, so its offset term is 0 here). */
+ * same float operations per column (with maddubs kind 8 sums q xq directly, so its offset term is 0 here). */
 static inline __attribute__((always_inline)) void block_avx2(const int8_t *xq, const float *xs, const int32_t *xsum,
                                                             const uint8_t *recs, const void *bias, void *y,
                                                             int64_t r0, int64_t rows, int64_t nb, int64_t n,
@@ -639,14 +664,15 @@ static inline __attribute__((always_inline)) void block_avx2(const int8_t *xq, c
                 for (int64_t r = 0; r < AVX2_ROWS; ++r) {
                     const int32_t *sums = xsum + (r0 + (r < rows ? r : 0)) * 2 * groups + 2 * g;
                     acc[r] = _mm256_set1_epi32(base_kind(kind) == 6 ? -32 * sums[half]
-                                               : kind & SYMMETRIC ? -8 * (sums[0] + sums[1]) : 0);
+                                               : kind & SYMMETRIC ? -8 * (sums[0] + sums[1])
+                                               : base_kind(kind) == 8 && DOT_VNNI_256 ? -128 * (sums[0] + sums[1]) : 0);
                 }
                 for (int j = half * quads; j < (half + 1) * quads; ++j) {
                     const __m256i w = half_quad_codes(rec, kind, j, ch);
                     for (int64_t r = 0; r < rows; ++r) {
                         int32_t quad;
                         memcpy(&quad, xq + (r0 + r) * k + g * GROUP + 4 * j, sizeof quad);
-                        acc[r] = _mm256_add_epi32(acc[r], dot_quads(w, _mm256_set1_epi32(quad), kind));
+                        acc[r] = dot_quads(acc[r], w, _mm256_set1_epi32(quad), kind);
                     }
                 }
                 const __m256 dv = sv[half];
