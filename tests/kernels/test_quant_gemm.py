@@ -274,6 +274,21 @@ def test_the_avx2_int8_path_gives_the_vnni_paths_results_bit_for_bit(kind, stora
     assert torch.equal(outputs["avx512_bf16"], outputs["avx2"])
 
 
+@pytest.mark.parametrize("kind, code", [(8, -128), (8, 127), (4, 15), (6, 63)])
+@pytest.mark.parametrize("sign", [1, -1])
+def test_the_largest_codes_times_the_largest_activations_sum_exactly(kind, code, sign, isa):
+    """Every product at its largest (|xq| = 127 everywhere): where the AVX2 path sums several quads in int16 lanes
+    before widening, no lane overflows."""
+    n, k = 16, 256
+    codes = torch.full((n, k), code, dtype=torch.int8 if kind == 8 else torch.uint8).view(torch.uint8)
+    weight = QuantizedTensor("w", None, codes, torch.full((n, k // (16 if kind == 6 else 32)), 0.5),
+                             torch.zeros(n, k // 32), kind)
+    x = torch.full((3, k), 2.0 * sign)
+    out = quant_gemm.linear(x, pack(weight)).double()
+    expected = x.double() @ weight.dequantize().double().T
+    assert torch.allclose(out, expected, rtol=1e-6), (out[0, 0].item(), expected[0, 0].item())
+
+
 def vnni_256_flags() -> tuple[str, ...]:
     """Extra gcc flags for an avx2-level build with 256-bit VNNI on this CPU: none where it has AVX-VNNI (the level
     adds -mavxvnni), AVX512-VNNI's EVEX form where it has that and AVX512VL; skips where it has neither."""

@@ -642,6 +642,30 @@ static inline __attribute__((always_inline)) __m256i dot_quads(__m256i acc, __m2
 #endif
 }
 
+/* With maddubs, how many quads' products a column's int16 lanes sum before madd widens them: each lane gets one
+ * pair of products per quad, at most 2 * 15 * 127 for nibbles, so a group's 8 quads (30480 < 2^15) stay exact and
+ * madd + add run once a group instead of once a quad (Zen 4, avx2 level: Q4_0 / Q4_1 matmuls 1.03-1.14x at 16-256
+ * rows). 6-bit codes could take 2 quads (2 * 2 * 63 * 127 = 32004) but measured 0.94x, and kind 8's |q| up to
+ * 128 fills a lane in one quad; VPDPBUSD sums in int32 directly. */
+#define INT16_QUADS(kind) (DOT_VNNI_256 ? 1 : base_kind(kind) == 4 ? 8 : 1)
+
+/* acc[r] += the int32 sums of quads j0 .. j0 + INT16_QUADS(kind) for rows r0 .. r0 + rows, summed in int16 first. */
+static inline __attribute__((always_inline)) void int16_quads(const int8_t *xq, const uint8_t *rec, const int kind,
+                                                             int ch, int j0, int64_t r0, int64_t rows, int64_t k,
+                                                             int64_t g, __m256i acc[AVX2_ROWS]) {
+    __m256i lanes[AVX2_ROWS];
+    for (int64_t r = 0; r < rows; ++r) lanes[r] = _mm256_setzero_si256();
+    for (int j = j0; j < j0 + INT16_QUADS(kind); ++j) {
+        const __m256i w = half_quad_codes(rec, kind, j, ch);
+        for (int64_t r = 0; r < rows; ++r) {
+            int32_t quad;
+            memcpy(&quad, xq + (r0 + r) * k + g * GROUP + 4 * j, sizeof quad);
+            lanes[r] = _mm256_add_epi16(lanes[r], _mm256_maddubs_epi16(w, _mm256_set1_epi32(quad)));
+        }
+    }
+    for (int64_t r = 0; r < rows; ++r) acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(lanes[r], _mm256_set1_epi16(1)));
+}
+
 /* Rows [r0, r0 + rows) of column block nb, 8 columns at a time; the same int32 sums as the VNNI path, then the
  * same float operations per column (with maddubs kind 8 sums q xq directly, so its offset term is 0 here). */
 static inline __attribute__((always_inline)) void block_avx2(const int8_t *xq, const float *xs, const int32_t *xsum,
@@ -667,14 +691,18 @@ static inline __attribute__((always_inline)) void block_avx2(const int8_t *xq, c
                                                : kind & SYMMETRIC ? -8 * (sums[0] + sums[1])
                                                : base_kind(kind) == 8 && DOT_VNNI_256 ? -128 * (sums[0] + sums[1]) : 0);
                 }
-                for (int j = half * quads; j < (half + 1) * quads; ++j) {
-                    const __m256i w = half_quad_codes(rec, kind, j, ch);
-                    for (int64_t r = 0; r < rows; ++r) {
-                        int32_t quad;
-                        memcpy(&quad, xq + (r0 + r) * k + g * GROUP + 4 * j, sizeof quad);
-                        acc[r] = dot_quads(acc[r], w, _mm256_set1_epi32(quad), kind);
+                if (INT16_QUADS(kind) > 1)
+                    for (int j0 = half * quads; j0 < (half + 1) * quads; j0 += INT16_QUADS(kind))
+                        int16_quads(xq, rec, kind, ch, j0, r0, rows, k, g, acc);
+                else
+                    for (int j = half * quads; j < (half + 1) * quads; ++j) {
+                        const __m256i w = half_quad_codes(rec, kind, j, ch);
+                        for (int64_t r = 0; r < rows; ++r) {
+                            int32_t quad;
+                            memcpy(&quad, xq + (r0 + r) * k + g * GROUP + 4 * j, sizeof quad);
+                            acc[r] = dot_quads(acc[r], w, _mm256_set1_epi32(quad), kind);
+                        }
                     }
-                }
                 const __m256 dv = sv[half];
                 for (int64_t r = 0; r < rows; ++r) {
                     const int64_t row = r0 + r;
