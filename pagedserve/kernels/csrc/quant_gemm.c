@@ -644,7 +644,7 @@ static inline __attribute__((always_inline)) __m256i dot_quads(__m256i acc, __m2
 
 /* With maddubs, how many quads' products a column's int16 lanes sum before madd widens them: each lane gets one
  * pair of products per quad, at most 2 * 15 * 127 for nibbles, so a group's 8 quads (30480 < 2^15) stay exact and
- * madd + add run once a group instead of once a quad (Zen 4, avx2 level: Q4_0 / Q4_1 matmuls 1.03-1.14x at 16-256
+ * madd + add run once a group instead of once a quad (Zen 4, avx2 level: Q4_0 / Q4_1 matmuls 1.06-1.16x at 16-256
  * rows). 6-bit codes could take 2 quads (2 * 2 * 63 * 127 = 32004) but measured 0.94x, and kind 8's |q| up to
  * 128 fills a lane in one quad; VPDPBUSD sums in int32 directly. */
 #define INT16_QUADS(kind) (DOT_VNNI_256 ? 1 : base_kind(kind) == 4 ? 8 : 1)
