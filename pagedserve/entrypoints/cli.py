@@ -179,7 +179,7 @@ def _add_ray_args(p) -> None:
 def _run_serve(args: argparse.Namespace) -> int:
     from pagedserve.distributed.config import check_ray_flags_need_ray
 
-    check_ray_flags_need_ray(args, build_parser().parse_args(["serve"]))
+    check_ray_flags_need_ray(args, build_parser("serve").parse_args(["serve"]))
     if args.ray:
         from pagedserve.distributed.launcher import serve_on_ray
 
@@ -254,17 +254,16 @@ def _add_bench(subparsers) -> None:
     k.set_defaults(func=soak.cli_main)
 
 
-def build_parser(keys_only: bool = False) -> argparse.ArgumentParser:
-    """The command line; `keys_only` leaves out the other commands (the benchmarks' import torch: `pagedserve
-    keys` stays fast)."""
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The command line; with `command` (one of its commands) only that command's parser: the benchmarks' import
+    torch (~1 s), which `pagedserve serve` would otherwise pay before it starts the engine process, and `pagedserve
+    keys` would pay at all."""
     parser = argparse.ArgumentParser(prog="pagedserve", description="High-throughput LLM inference engine.")
     subparsers = parser.add_subparsers(dest="command", required=True)
-    if not keys_only:
-        _add_generate(subparsers)
-        _add_serve(subparsers)
-    _add_keys(subparsers)
-    if not keys_only:
-        _add_bench(subparsers)
+    commands = {"generate": _add_generate, "serve": _add_serve, "keys": _add_keys, "bench": _add_bench}
+    for name, add in commands.items():
+        if command not in commands or name == command:
+            add(subparsers)
     return parser
 
 
@@ -278,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    args = build_parser(keys_only=argv[:1] == ["keys"]).parse_args(argv)
+    args = build_parser(argv[0] if argv else None).parse_args(argv)
     if getattr(args, "config", None) is not None:  # expand_config_file took the one it knows
         print("error: give --config once, spelled out in full", file=sys.stderr)
         return 2

@@ -42,3 +42,28 @@ def test_help_lists_engine_flags_with_their_docs(capsys):
                  "--dtype", "--max-num-seqs"):
         assert flag in text
     assert "Tokens per KV-cache block" in text
+
+
+@pytest.mark.parametrize("command", ["serve", "keys"])
+def test_serve_and_keys_parse_their_flags_without_importing_torch(command):
+    """`pagedserve serve` starts the engine process right after parsing: importing torch first (the benchmarks'
+    parsers do) held that start back by ~1 s."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from pagedserve.entrypoints.cli import build_parser; "
+            f"build_parser({command!r}).parse_args([{command!r}] + ({command!r} == 'keys') * ['add', 'alice']); "
+            "from pagedserve.entrypoints.openai.api_server import default_model_name; default_model_name(None); "
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
+
+
+def test_every_command_is_in_the_full_parser_and_one_commands_parser_takes_only_it():
+    from pagedserve.entrypoints.cli import build_parser
+
+    full = build_parser()
+    for argv in (["serve"], ["keys", "add", "alice"], ["bench", "throughput"], ["generate", "hi"]):
+        assert full.parse_args(argv).command == argv[0]
+    with pytest.raises(SystemExit):
+        build_parser("serve").parse_args(["bench", "throughput"])

@@ -48,7 +48,7 @@ DEFAULT_MAX_BODY_BYTES = 16 << 20
 def default_model_name(model: Optional[str]) -> str:
     if model is not None:
         return model
-    from pagedserve.loader.model_loader import default_model_path
+    from pagedserve.loader.default_model import default_model_path
 
     return os.path.splitext(os.path.basename(default_model_path()))[0]
 
