@@ -109,6 +109,7 @@ int available(void) { return 0; }
 /* w [N, K] -> packed [N / 16][K][16]. Status: 0 ok, 1 bad shape. */
 int pack_weight(const float *w, float *packed, int64_t n, int64_t k) {
     if (n % 16) return 1;
+#pragma omp parallel for schedule(static)
     for (int64_t nb = 0; nb < n / 16; ++nb)
         for (int64_t p = 0; p < k; ++p)
             for (int64_t i = 0; i < 16; ++i) packed[(nb * k + p) * 16 + i] = w[(nb * 16 + i) * k + p];
