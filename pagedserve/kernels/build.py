@@ -188,10 +188,20 @@ def load_library(name: str, extra_flags: tuple[str, ...] = ()) -> Optional[ctype
     library = None
     if enabled():
         flags = flags_for(cpu_isa()) + list(extra_flags)
-        try:
-            library = ctypes.CDLL(str(_build(CSRC / f"{name}.c", flags)))
-        except (OSError, subprocess.CalledProcessError) as e:
-            detail = getattr(e, "stderr", "") or str(e)
-            logger.warning("CPU kernel %s unavailable (%s); using the torch path", name, detail.strip()[:500])
+        library, detail = _try_build(name, flags)
+        optional = [f for f in flags if f in {gcc for _, _, gcc in _OPTIONAL}]
+        if library is None and optional:  # a gcc too old for -mavxvnni: the level's own path still builds
+            logger.warning("CPU kernel %s: no build with %s (%s); building without", name, " ".join(optional), detail)
+            library, detail = _try_build(name, [f for f in flags if f not in optional])
+        if library is None:
+            logger.warning("CPU kernel %s unavailable (%s); using the torch path", name, detail)
     _loaded[name] = library
     return library
+
+
+def _try_build(name: str, flags: list[str]) -> tuple[Optional[ctypes.CDLL], str]:
+    """The library built with `flags` and loaded, or None and why not."""
+    try:
+        return ctypes.CDLL(str(_build(CSRC / f"{name}.c", flags))), ""
+    except (OSError, subprocess.CalledProcessError) as e:
+        return None, (getattr(e, "stderr", "") or str(e)).strip()[:500]
