@@ -111,14 +111,23 @@ def arguments(description: str, **extra: dict) -> argparse.Namespace:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--w1-requests", type=int, default=256)
-    parser.add_argument("--kernel-flags", default="",
-                        help="extra gcc flags for the quantized kernel's build (--kernel-flags='...'), e.g. "
-                             "'-mavx512vnni -mavx512vl' with PAGEDSERVE_CPU_ISA=avx2: the AVX2 path's 256-bit VNNI form")
+    add_kernel_flags(parser)
     for name, options in extra.items():
         parser.add_argument("--" + name.replace("_", "-"), **options)
-    args = parser.parse_args()
+    return use_kernel_flags(parser.parse_args())
+
+
+def add_kernel_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--kernel-flags", default="",
+                        help="extra gcc flags for the quantized kernel's build (--kernel-flags='...'), e.g. "
+                             "'-mavx512vnni -mavx512vl' with PAGEDSERVE_CPU_ISA=avx2 measures the AVX2 path's 256-bit "
+                             "VNNI form on an AVX-512 CPU, '-mno-avxvnni' its maddubs form on an AVX-VNNI one")
+
+
+def use_kernel_flags(args: argparse.Namespace) -> argparse.Namespace:
+    """Builds quant_gemm with --kernel-flags first, so that every quantized layer then uses that build."""
     if args.kernel_flags:
-        load_library("quant_gemm", tuple(args.kernel_flags.split()))  # the build the quantized layers then use
+        load_library("quant_gemm", tuple(args.kernel_flags.split()))
     return args
 
 

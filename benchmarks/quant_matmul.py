@@ -21,14 +21,18 @@ from __future__ import annotations
 import argparse
 import math
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
 from pagedserve.benchmarks.cpu_kind import cpu_kind
 from pagedserve.executor.cpu_allocator import HugePageArena, huge_page_zeros
 from pagedserve.kernels import quant_gemm, skinny_gemm
-from pagedserve.kernels.build import load_library
+
+sys.path.insert(0, str(Path(__file__).parent))
+from gguf_weights import add_kernel_flags, use_kernel_flags  # noqa: E402
 
 MODELS = {"smollm2-135m": ([(960, 576), (576, 576), (3072, 576), (576, 1536)], 30),
           "qwen3-0.6b": ([(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072)], 28)}
@@ -83,13 +87,8 @@ def main() -> None:
     parser.add_argument("--model", choices=sorted(MODELS), default="smollm2-135m")
     parser.add_argument("--rows", default="1,16,64,256")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--kernel-flags", default="",
-                        help="extra gcc flags for the quantized kernel's build (--kernel-flags='...'), e.g. "
-                             "'-mavx512vnni -mavx512vl' with PAGEDSERVE_CPU_ISA=avx2 measures the AVX2 path's 256-bit "
-                             "VNNI form on an AVX-512 CPU, '-mno-avxvnni' its maddubs form on an AVX-VNNI one")
-    args = parser.parse_args()
-    if args.kernel_flags:
-        load_library("quant_gemm", tuple(args.kernel_flags.split()))  # the build quant_gemm then uses
+    add_kernel_flags(parser)
+    args = use_kernel_flags(parser.parse_args())
     shapes, layers = MODELS[args.model]
     names = types_for(shapes)
     bf16 = [(torch.randn(n, k).bfloat16(), k) for _ in range(layers) for n, k in shapes]

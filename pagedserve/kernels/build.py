@@ -96,6 +96,11 @@ def _cpu_flags() -> str:
         return ""
 
 
+def cpu_flags() -> list[str]:
+    """This CPU's feature flags as /proc/cpuinfo names them (empty where it has none)."""
+    return _cpu_flags().split(":", 1)[-1].split()
+
+
 def detect_isa(flags: Iterable[str]) -> str:
     """The highest level whose CPU flags (and those of every level below) are all in `flags`."""
     flags, best = set(flags), "generic"
@@ -112,7 +117,7 @@ def _on_x86() -> bool:
 
 def native_isa() -> str:
     """This CPU's own level (PAGEDSERVE_CPU_ISA aside); generic off x86."""
-    return detect_isa(_cpu_flags().split(":", 1)[-1].split()) if _on_x86() else "generic"
+    return detect_isa(cpu_flags()) if _on_x86() else "generic"
 
 
 def choose_isa(override: Optional[str], flags: Iterable[str]) -> str:
@@ -133,7 +138,7 @@ def cpu_isa() -> str:
     """The ISA level the kernels are built for in this process: this CPU's, or PAGEDSERVE_CPU_ISA's."""
     global _level
     if _level is None:
-        flags = _cpu_flags().split(":", 1)[-1].split() if _on_x86() else ()
+        flags = cpu_flags() if _on_x86() else ()
         _level = choose_isa(os.environ.get("PAGEDSERVE_CPU_ISA"), flags)
         logger.info("CPU kernels: ISA level %s", _level)
     return _level
@@ -143,7 +148,7 @@ def flags_for(level: str) -> list[str]:
     """gcc flags for a level (off x86, generic builds for the compiler's default target)."""
     if level == "generic" and not _on_x86():
         return list(COMMON_FLAGS)
-    return [*COMMON_FLAGS, *_MARCH[level], *optional_flags(level, _cpu_flags().split(":", 1)[-1].split())]
+    return [*COMMON_FLAGS, *_MARCH[level], *optional_flags(level, cpu_flags())]
 
 
 def optional_flags(level: str, cpu_flags: Iterable[str]) -> list[str]:

@@ -292,8 +292,9 @@ def test_the_largest_codes_times_the_largest_activations_sum_exactly(kind, code,
 def vnni_256_flags() -> tuple[str, ...]:
     """Extra gcc flags for an avx2-level build with 256-bit VNNI on this CPU: none where it has AVX-VNNI (the level
     adds -mavxvnni), AVX512-VNNI's EVEX form where it has that and AVX512VL; skips where it has neither."""
-    with open("/proc/cpuinfo") as f:
-        flags = set(next((line for line in f if line.startswith("flags")), ":").split(":", 1)[1].split())
+    from pagedserve.kernels import build
+
+    flags = set(build.cpu_flags())
     if "avx_vnni" in flags:
         return ()
     if {"avx512_vnni", "avx512vl"} <= flags:

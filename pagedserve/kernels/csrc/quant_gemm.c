@@ -642,6 +642,14 @@ static inline __attribute__((always_inline)) __m256i dot_quads(__m256i acc, __m2
 #endif
 }
 
+/* Row `row`'s quad j of group g of the activation codes, in every dword of a vector. */
+static inline __attribute__((always_inline)) __m256i xq_quad(const int8_t *xq, int64_t row, int64_t k, int64_t g,
+                                                            int j) {
+    int32_t quad;
+    memcpy(&quad, xq + row * k + g * GROUP + 4 * j, sizeof quad);
+    return _mm256_set1_epi32(quad);
+}
+
 /* With maddubs, how many quads' products a column's int16 lanes sum before madd widens them: each lane gets one
  * pair of products per quad, at most 2 * 15 * 127 for nibbles, so a group's 8 quads (30480 < 2^15) stay exact and
  * madd + add run once a group instead of once a quad (Zen 4, avx2 level: Q4_0 / Q4_1 matmuls 1.06-1.16x at 16-256
@@ -657,11 +665,8 @@ static inline __attribute__((always_inline)) void int16_quads(const int8_t *xq, 
     for (int64_t r = 0; r < rows; ++r) lanes[r] = _mm256_setzero_si256();
     for (int j = j0; j < j0 + INT16_QUADS(kind); ++j) {
         const __m256i w = half_quad_codes(rec, kind, j, ch);
-        for (int64_t r = 0; r < rows; ++r) {
-            int32_t quad;
-            memcpy(&quad, xq + (r0 + r) * k + g * GROUP + 4 * j, sizeof quad);
-            lanes[r] = _mm256_add_epi16(lanes[r], _mm256_maddubs_epi16(w, _mm256_set1_epi32(quad)));
-        }
+        for (int64_t r = 0; r < rows; ++r)
+            lanes[r] = _mm256_add_epi16(lanes[r], _mm256_maddubs_epi16(w, xq_quad(xq, r0 + r, k, g, j)));
     }
     for (int64_t r = 0; r < rows; ++r) acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(lanes[r], _mm256_set1_epi16(1)));
 }
@@ -697,11 +702,8 @@ static inline __attribute__((always_inline)) void block_avx2(const int8_t *xq, c
                 else
                     for (int j = half * quads; j < (half + 1) * quads; ++j) {
                         const __m256i w = half_quad_codes(rec, kind, j, ch);
-                        for (int64_t r = 0; r < rows; ++r) {
-                            int32_t quad;
-                            memcpy(&quad, xq + (r0 + r) * k + g * GROUP + 4 * j, sizeof quad);
-                            acc[r] = dot_quads(acc[r], w, _mm256_set1_epi32(quad), kind);
-                        }
+                        for (int64_t r = 0; r < rows; ++r)
+                            acc[r] = dot_quads(acc[r], w, xq_quad(xq, r0 + r, k, g, j), kind);
                     }
                 const __m256 dv = sv[half];
                 for (int64_t r = 0; r < rows; ++r) {
