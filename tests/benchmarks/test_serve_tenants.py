@@ -159,8 +159,9 @@ def test_result_json_has_per_tenant_counts_ttft_and_throughput(tmp_path, capsys)
     for key in ("request_throughput", "output_throughput", "duration", "mean_ttft_ms", "median_ttft_ms",
                 "p50_ttft_ms", "p99_9_ttft_ms", "mean_tpot_ms", "mean_itl_ms", "mean_e2el_ms"):
         assert key in a and key in b, key
-    # the slow key's TTFT is its own: the server waits 100 ms more before b's first chunk
-    assert 30 - 1 <= a["mean_ttft_ms"] <= 30 + LATE_MS and 130 - 1 <= b["mean_ttft_ms"] <= 130 + LATE_MS
+    # the slow key's TTFT is its own: the server waits 100 ms more before b's first chunk (b's one request shares the
+    # fake server's and the client's event loops with a's three, so on a busy machine it ran 34 ms late once: CI)
+    assert 30 - 1 <= a["mean_ttft_ms"] <= 30 + LATE_MS and 130 - 1 <= b["mean_ttft_ms"] <= 130 + 3 * LATE_MS
     assert a["request_throughput"] == pytest.approx(2 / a["duration"])
     assert b["output_throughput"] == pytest.approx(3 / b["duration"])
     assert saved["request_tenants"] == ["a", "a", "a", "b"] and saved["errors"][1].startswith("HTTP 500")
