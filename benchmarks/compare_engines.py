@@ -17,7 +17,8 @@ Engines alternate: run i starts with engine i mod n, so a drifting machine load 
 Medians over --runs are reported with the ratios of pagedserve to each other engine.
 
 --serving runs the serving view instead: each engine's OpenAI server (`pagedserve serve`, `vllm serve`,
-`llama-server`) is started fresh per scenario, its time to a healthy /health recorded, and
+`llama-server`) is started fresh per scenario (after --settle-s seconds, see start_server), its time to a
+healthy /health recorded, and
 `pagedserve bench serve` sends W1 to /v1/completions all at once and with at most 16 in flight. With
 --offline-baseline each run also measures pagedserve's offline W1, and the table gives serving all-at-once as a
 fraction of it (the cost of the serving path).
@@ -154,6 +155,10 @@ def server_command(engine: str, args, port: int) -> tuple[list[str], dict]:
 
 
 def start_server(engine: str, args, log_path: str) -> tuple[subprocess.Popen, str, float]:
+    # A server started right after another process freed its memory starts faster than a first start (on gVisor
+    # VMs memory given back is taken again at 0.1 s per GiB instead of 2.3, for 5-20 s): settle first, so that
+    # every engine's time to ready is a fresh start's.
+    time.sleep(args.settle_s)
     port = free_port()
     cmd, extra_env = server_command(engine, args, port)
     print(f"$ {' '.join(f'{k}={v!r}' for k, v in extra_env.items())} {' '.join(cmd)}", flush=True)
@@ -286,6 +291,8 @@ def main() -> None:
     p.add_argument("--scenarios", default="all_at_once,concurrency16", help="with --serving")
     p.add_argument("--max-concurrency", type=int, default=16)
     p.add_argument("--start-timeout", type=float, default=900)
+    p.add_argument("--settle-s", type=float, default=25,
+                   help="pause before each server start, so that memory freed by the last run is back with the host")
     p.add_argument("--vllm-python", default=str(ENGINES_DIR / "vllm-venv" / "bin" / "python"))
     p.add_argument("--vllm-model", default=str(ENGINES_DIR / "smollm2-hf"),
                    help="the default model as a Hugging Face folder (benchmarks/export_hf.py)")
