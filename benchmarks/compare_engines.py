@@ -155,9 +155,10 @@ def server_command(engine: str, args, port: int) -> tuple[list[str], dict]:
 
 
 def start_server(engine: str, args, log_path: str) -> tuple[subprocess.Popen, str, float]:
-    # A server started right after another process freed its memory starts faster than a first start (on gVisor
-    # VMs memory given back is taken again at 0.1 s per GiB instead of 2.3, for 5-20 s): settle first, so that
-    # every engine's time to ready is a fresh start's.
+    # A server started right after another process freed its memory starts faster than a first start (on the
+    # project's VMs memory given back is taken again at 0.1 s per GiB instead of 2.3 for 5-20 s, until the host has
+    # it back: benchmarks/memory_first_touch.py): settle first, so that every engine's time to ready is a fresh
+    # start's.
     time.sleep(args.settle_s)
     port = free_port()
     cmd, extra_env = server_command(engine, args, port)

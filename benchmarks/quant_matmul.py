@@ -21,18 +21,14 @@ from __future__ import annotations
 import argparse
 import math
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
+from gguf_weights import add_kernel_flags, use_kernel_flags  # beside this file
 
 from pagedserve.benchmarks.cpu_kind import cpu_kind
 from pagedserve.executor.cpu_allocator import HugePageArena, huge_page_zeros
 from pagedserve.kernels import quant_gemm, skinny_gemm
-
-sys.path.insert(0, str(Path(__file__).parent))
-from gguf_weights import add_kernel_flags, use_kernel_flags  # noqa: E402
 
 MODELS = {"smollm2-135m": ([(960, 576), (576, 576), (3072, 576), (576, 1536)], 30),
           "qwen3-0.6b": ([(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072)], 28)}

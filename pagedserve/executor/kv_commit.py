@@ -2,7 +2,7 @@
 
 The cache is fresh anonymous memory (cpu_allocator.huge_page_zeros) whose pages are committed with
 MADV_POPULATE_WRITE so that a server's memory is what it will be under load. On some VMs committing fresh
-memory is slow: 0.3-2.2 s per GiB on the project's gVisor VMs, so up to 9 s for the default 4 GiB cache, most
+memory is slow: 0.3-2.4 s per GiB on the project's VMs, so up to 9 s for the default 4 GiB cache, most
 of a server's start-up. Committing it in the background instead, beside the model load, gains nothing there
 (the load's own page faults wait for the commit; measured: load 2.7 s -> 8-11 s). So the engine commits the
 first blocks before it reports ready and the rest while it is idle (`EngineCore.commit_kv_memory`).
