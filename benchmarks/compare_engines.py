@@ -5,6 +5,8 @@ exactly 128 output tokens, greedy, ignore_eos; prompts from `pagedserve.benchmar
 seed 0) in a fresh subprocess:
 
   pagedserve     `pagedserve bench throughput --backend pagedserve` (this Python)
+  pagedserve-gguf  the same with `--quantization gguf`: the default model's file computed from as stored
+                 (Q4_1 weights, activations rounded to int8 per 32 for the dot products, as llama.cpp does)
   vllm           benchmarks/engines/vllm_w1.py in vLLM's own venv, with vLLM's recommended CPU settings:
                  tcmalloc and Intel OpenMP preloaded, VLLM_CPU_OMP_THREADS_BIND=0-<cores-1>,
                  VLLM_CPU_KVCACHE_SPACE=4
@@ -12,6 +14,7 @@ seed 0) in a fresh subprocess:
                  not fit here and it refuses to start)
   llamacpp       benchmarks/engines/llamacpp_w1.py: llama-server with 256 parallel slots, the GGUF given by
                  --llamacpp-model (default: the BF16 GGUF, the same numbers pagedserve computes with)
+  llamacpp-gguf  the same on the default model's own file (Q4_1), the weights pagedserve-gguf computes from
 
 Engines alternate: run i starts with engine i mod n, so a drifting machine load hurts none systematically.
 Medians over --runs are reported with the ratios of pagedserve to each other engine.
@@ -25,11 +28,14 @@ fraction of it (the cost of the serving path).
 
 --single-stream: one request, 128 prompt ids -> 256 tokens: pagedserve's decode tok/s
 (benchmarks/single_stream.py) beside llama.cpp's `llama-bench -p 128 -n 256` tg rate on the GGUF of the same
-dtype.
+dtype (llamacpp-gguf: on the default model's own file).
 
 --dtype auto (the default) gives each engine the dtype that computes fastest on this CPU: bfloat16 where the CPU
 has native bf16 dot products (AVX512-BF16 or AMX), else float32 (pagedserve's own `auto` makes the same choice;
 llama.cpp then gets the BF16 or F32 GGUF). Every table names the CPU kind it was measured on.
+
+The tables give each engine's rate over pagedserve's (bf16 or float32 weights, the numbers vLLM computes) and,
+where it ran, over pagedserve-gguf's: different numerics, so reported apart.
 
     python benchmarks/compare_engines.py --runs 3
     python benchmarks/compare_engines.py --serving --engines pagedserve,vllm --offline-baseline
@@ -57,6 +63,7 @@ from compare_serving import free_port, stop_server  # beside this file
 
 from pagedserve.benchmarks.cpu_kind import cpu_kind
 from pagedserve.benchmarks.throughput import make_prompts
+from pagedserve.loader.default_model import default_model_path
 from pagedserve.loader.model_loader import cpu_has_bf16
 
 HERE = Path(__file__).resolve().parent
@@ -71,7 +78,17 @@ def best_dtype(requested: str) -> str:
     return "bfloat16" if cpu_has_bf16() else "float32"
 
 
-def llamacpp_gguf(args) -> str:
+PAGEDSERVE = ("pagedserve", "pagedserve-gguf")
+"""pagedserve at float weights, and computing from the default model's GGUF weights as stored."""
+
+
+def quantization_flags(engine: str) -> list[str]:
+    return ["--quantization", "gguf"] if engine == "pagedserve-gguf" else []
+
+
+def llamacpp_gguf(args, engine: str = "llamacpp") -> str:
+    if engine == "llamacpp-gguf":
+        return default_model_path()
     if args.llamacpp_model:
         return args.llamacpp_model
     return str(ENGINES_DIR / ("smollm2-bf16.gguf" if best_dtype(args.dtype) == "bfloat16" else "smollm2-f32.gguf"))
@@ -96,9 +113,9 @@ def w1_prompts(args) -> list[list[int]]:
 def offline_command(engine: str, args, out_json: str) -> tuple[list[str], dict]:
     w1 = ["--num-prompts", str(args.num_prompts), "--input-len", str(args.input_len),
           "--output-len", str(args.output_len)]
-    if engine == "pagedserve":
+    if engine in PAGEDSERVE:
         cmd = [sys.executable, "-m", "pagedserve.entrypoints.cli", "bench", "throughput", "--backend", "pagedserve",
-               "--dtype", args.dtype, "--output-json", out_json, *w1]
+               "--dtype", args.dtype, "--output-json", out_json, *quantization_flags(engine), *w1]
         return cmd, {}
     if engine in ("vllm", "vllm-default"):
         prompts_json = os.path.join(os.path.dirname(out_json), "prompts.json")
@@ -107,9 +124,9 @@ def offline_command(engine: str, args, out_json: str) -> tuple[list[str], dict]:
         cmd = [args.vllm_python, str(HERE / "engines" / "vllm_w1.py"), "--model", args.vllm_model,
                "--dtype", best_dtype(args.dtype), "--prompts-json", prompts_json, "--output-len", str(args.output_len)]
         return cmd, vllm_env(args, tuned=engine == "vllm")
-    if engine == "llamacpp":
+    if engine in ("llamacpp", "llamacpp-gguf"):
         cmd = [sys.executable, str(HERE / "engines" / "llamacpp_w1.py"), "--server-bin", args.llama_server,
-               "--model", llamacpp_gguf(args), "--output-json", out_json, *w1]
+               "--model", llamacpp_gguf(args, engine), "--output-json", out_json, *w1]
         return cmd, {}
     raise SystemExit(f"unknown engine {engine!r}")
 
@@ -122,33 +139,39 @@ def run_offline(engine: str, args) -> dict:
         proc = subprocess.run(cmd, env={**os.environ, **extra_env}, capture_output=True, text=True)
         if proc.returncode != 0:
             raise SystemExit(f"{engine} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-        if engine == "pagedserve":
+        if engine in PAGEDSERVE:
             with open(out_json) as f:
                 result = json.load(f)
             r = result["pagedserve"]
             return {"output_tok_s": r["output_tok_s"], "elapsed_s": r["elapsed_s"], "load_s": r["load_s"],
-                    "exact": r["all_exact_output_len"], "dtype": result["workload"]["dtype"]}
+                    "exact": r["all_exact_output_len"], "dtype": pagedserve_dtype(engine, result["workload"]["dtype"])}
         line = [l for l in proc.stdout.splitlines() if l.startswith("{")][-1]
         r = json.loads(line)
-        dtype = Path(llamacpp_gguf(args)).stem if engine == "llamacpp" else best_dtype(args.dtype)
+        dtype = Path(llamacpp_gguf(args, engine)).stem if engine.startswith("llamacpp") else best_dtype(args.dtype)
         return {"output_tok_s": r["output_tok_per_s"], "elapsed_s": r["elapsed_s"],
                 "load_s": r.get("load_s", r.get("startup_s")), "exact": r["exact"], "dtype": dtype}
+
+
+def pagedserve_dtype(engine: str, dtype: str) -> str:
+    if engine == "pagedserve-gguf":
+        return f"{Path(default_model_path()).stem} kept, {dtype} activations"
+    return dtype
 
 
 # -- serving -------------------------------------------------------------------------------------------------
 
 
 def server_command(engine: str, args, port: int) -> tuple[list[str], dict]:
-    if engine == "pagedserve":
+    if engine in PAGEDSERVE:
         return [sys.executable, "-m", "pagedserve.entrypoints.cli", "serve", "--port", str(port), "--dtype",
-                args.dtype, "--disable-log-requests"], {}
+                args.dtype, "--disable-log-requests", *quantization_flags(engine)], {}
     if engine in ("vllm", "vllm-default"):
         return [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", args.vllm_model,
                 "--dtype", best_dtype(args.dtype), "--port", str(port), "--max-model-len", "512", "--max-num-seqs", "256",
                 "--served-model-name", "default"], vllm_env(args, engine == "vllm")
-    if engine == "llamacpp":
+    if engine in ("llamacpp", "llamacpp-gguf"):
         slots = args.num_prompts
-        return [args.llama_server, "--model", llamacpp_gguf(args), "--port", str(port), "--parallel", str(slots),
+        return [args.llama_server, "--model", llamacpp_gguf(args, engine), "--port", str(port), "--parallel", str(slots),
                 "--ctx-size", str(slots * (args.input_len + args.output_len)), "--threads", str(os.cpu_count()),
                 "--threads-batch", str(os.cpu_count()), "--cont-batching", "--no-webui"], {}
     raise SystemExit(f"unknown engine {engine!r}")
@@ -209,35 +232,36 @@ def run_serving(engine: str, args, workload: str, scenario: str, out_dir: str) -
 
 
 def run_single_stream(engine: str, args) -> dict:
-    if engine == "pagedserve":
+    if engine in PAGEDSERVE:
         cmd = [sys.executable, str(HERE / "single_stream.py"), "--dtype", args.dtype, "--runs", "1",
-               "--input-len", str(args.input_len), "--output-len", str(args.single_output_len)]
-    elif engine == "llamacpp":
-        cmd = [str(Path(args.llama_server).with_name("llama-bench")), "-m", llamacpp_gguf(args), "-p",
+               "--input-len", str(args.input_len), "--output-len", str(args.single_output_len),
+               *quantization_flags(engine)]
+    elif engine in ("llamacpp", "llamacpp-gguf"):
+        cmd = [str(Path(args.llama_server).with_name("llama-bench")), "-m", llamacpp_gguf(args, engine), "-p",
                str(args.input_len), "-n", str(args.single_output_len), "-t", str(os.cpu_count()), "-r", "1",
                "-o", "json"]
     else:
-        raise SystemExit(f"--single-stream measures pagedserve and llamacpp, not {engine!r}")
+        raise SystemExit(f"--single-stream measures pagedserve and llama.cpp, not {engine!r}")
     print(f"$ {' '.join(cmd)}", flush=True)
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"{engine} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-    if engine == "pagedserve":
+    if engine in PAGEDSERVE:
         r = json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])
-        return {"decode_tok_s": r["decode_tok_s"], "dtype": r["dtype"]}
+        return {"decode_tok_s": r["decode_tok_s"], "dtype": pagedserve_dtype(engine, r["dtype"])}
     tests = json.loads(proc.stdout)
     [tg] = [t for t in tests if t["n_gen"] > 0]
-    return {"decode_tok_s": tg["avg_ts"], "dtype": Path(llamacpp_gguf(args)).stem}
+    return {"decode_tok_s": tg["avg_ts"], "dtype": Path(llamacpp_gguf(args, engine)).stem}
 
 
 def single_stream_table(results: dict[str, list[dict]]) -> str:
-    base = median_of(results["pagedserve"], "decode_tok_s") if "pagedserve" in results else None
-    lines = ["| engine | dtype | decode tok/s (median) | runs | pagedserve / engine |", "|---|---|---|---|---|"]
+    bases = ratio_bases(results, "decode_tok_s")
+    lines = [("| engine | dtype | decode tok/s (median) | runs | " + ratio_header(bases)).rstrip(),
+             "|---|---|---|---|" + "---|" * len(bases)]
     for engine, runs in results.items():
         tok = median_of(runs, "decode_tok_s")
-        ratio = f"**{base / tok:.2f}x**" if base and engine != "pagedserve" else ""
         lines.append(f"| {engine} | {runs[0]['dtype']} | {tok:.1f} | "
-                     f"{', '.join(format(r['decode_tok_s'], '.1f') for r in runs)} | {ratio} |")
+                     f"{', '.join(format(r['decode_tok_s'], '.1f') for r in runs)} | {ratio_cells(bases, engine, tok)}")
     return "\n".join(lines)
 
 
@@ -248,16 +272,30 @@ def median_of(runs: list[dict], key: str) -> float:
     return statistics.median(r[key] for r in runs)
 
 
+def ratio_bases(results: dict[str, list[dict]], key: str) -> dict[str, float]:
+    """The median rate of each pagedserve variant that ran: the numerators of the tables' ratio columns."""
+    return {engine: median_of(results[engine], key) for engine in PAGEDSERVE if engine in results}
+
+
+def ratio_header(bases: dict[str, float]) -> str:
+    return " ".join(f"{engine} / engine |" for engine in bases)
+
+
+def ratio_cells(bases: dict[str, float], engine: str, rate: float) -> str:
+    """Each pagedserve variant's rate over this engine's; blank against itself or the other variant."""
+    return " ".join("|" if engine in PAGEDSERVE else f"**{base / rate:.2f}x** |" for base in bases.values())
+
+
 def offline_table(results: dict[str, list[dict]]) -> str:
-    base = median_of(results["pagedserve"], "output_tok_s") if "pagedserve" in results else None
-    lines = ["| engine | dtype | out tok/s (median) | runs | start-up s | exact lengths | pagedserve / engine |",
-             "|---|---|---|---|---|---|---|"]
+    bases = ratio_bases(results, "output_tok_s")
+    lines = [("| engine | dtype | out tok/s (median) | runs | start-up s | exact lengths | " + ratio_header(bases)).rstrip(),
+             "|---|---|---|---|---|---|" + "---|" * len(bases)]
     for engine, runs in results.items():
         tok = median_of(runs, "output_tok_s")
-        ratio = f"**{base / tok:.2f}x**" if base and engine != "pagedserve" else ""
         lines.append(f"| {engine} | {runs[0]['dtype']} | {tok:.1f} | "
                      f"{', '.join(format(r['output_tok_s'], '.0f') for r in runs)} | "
-                     f"{median_of(runs, 'load_s'):.1f} | {all(r['exact'] for r in runs)} | {ratio} |")
+                     f"{median_of(runs, 'load_s'):.1f} | {all(r['exact'] for r in runs)} | "
+                     f"{ratio_cells(bases, engine, tok)}")
     return "\n".join(lines)
 
 
@@ -276,7 +314,7 @@ def serving_table(results: dict[tuple[str, str], list[dict]]) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--engines", default="pagedserve,vllm,llamacpp",
-                   help="comma-separated: pagedserve, vllm, vllm-default, llamacpp")
+                   help="comma-separated: pagedserve, pagedserve-gguf, vllm, vllm-default, llamacpp, llamacpp-gguf")
     p.add_argument("--runs", type=int, default=3, help="runs per engine (medians reported)")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
                    help="auto: each engine at the dtype that is fastest on this CPU (bfloat16 with native bf16)")

@@ -1,9 +1,12 @@
-"""How much an 8-bit KV cache changes the default model's outputs, on 100 real chat prompts.
+"""How much an 8-bit KV cache, or weights kept quantized, change the default model's outputs, on 100 real chat
+prompts.
 
 For each prompt (benchmarks/data/chat_prompts.txt, through the chat template) the model with the unquantized
 cache (--kv-cache-dtype auto) writes a greedy continuation. Then every KV dtype reads prompt + continuation
-in one prefill step (each token attends the cache, its own K/V included, exactly as a decode would), and at
-each continuation position we compare its next-token distribution with the unquantized cache's:
+in one prefill step (each token attends the cache, its own K/V included, exactly as a decode would); with
+--quantization gguf so does the model computing from the GGUF file's weights as stored (activations rounded to
+int8 per 32 where the CPU has int8 dot products), with the unquantized cache. At each continuation position we
+compare its next-token distribution with the unquantized cache's:
 
 - greedy agreement: how often its argmax is the unquantized cache's argmax at the same position of the same
   prefill (teacher-forced, so one early difference does not count again at every later position; the
@@ -14,6 +17,7 @@ each continuation position we compare its next-token distribution with the unqua
   the unquantized cache's, and the mean share of tokens before the first difference.
 
     python benchmarks/kv_cache_accuracy.py [--max-tokens 64] [--dtype auto] [--kv-dtypes int8,fp8_e4m3,...]
+    python benchmarks/kv_cache_accuracy.py --kv-dtypes "" --quantization gguf    # the weights alone
 """
 
 from __future__ import annotations
@@ -42,9 +46,9 @@ class LogitsTap:
         self.logits = self.model.compute_logits(hidden).float()
 
 
-def engine(kv_cache_dtype: str, dtype: str) -> LLM:
-    return LLM(kv_cache_dtype=kv_cache_dtype, dtype=dtype, enable_prefix_caching=False, kv_cache_memory_bytes=64 << 20,
-               max_num_batched_tokens=2048, max_model_len=2048)
+def engine(kv_cache_dtype: str, dtype: str, quantization: str | None = None) -> LLM:
+    return LLM(kv_cache_dtype=kv_cache_dtype, dtype=dtype, quantization=quantization, enable_prefix_caching=False,
+               kv_cache_memory_bytes=64 << 20, max_num_batched_tokens=2048, max_model_len=2048)
 
 
 def teacher_forced(llm: LLM, tap: LogitsTap, prompt: list[int], continuation: list[int]) -> torch.Tensor:
@@ -59,9 +63,11 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--dtype", default="auto", help="model dtype (activations)")
     parser.add_argument("--kv-dtypes", default="int8,fp8_e4m3,fp8_e5m2")
+    parser.add_argument("--quantization", default=None, choices=["gguf"],
+                        help="also compare the model computing from its GGUF weights as stored")
     parser.add_argument("--num-prompts", type=int, default=100)
     args = parser.parse_args()
-    kv_dtypes = args.kv_dtypes.split(",")
+    kv_dtypes = [d for d in args.kv_dtypes.split(",") if d]
     start = time.time()
     reference = engine("auto", args.dtype)
     tokenizer = reference.engine.tokenizer
@@ -73,9 +79,12 @@ def main() -> None:
     inputs = [{"prompt_token_ids": p} for p in prompts]
     continuations = [o.outputs[0].token_ids for o in reference.generate(inputs, greedy, use_tqdm=False)]
     engines = {d: engine(d, args.dtype) for d in kv_dtypes}
+    if args.quantization:
+        engines[f"weights kept (--quantization {args.quantization}), KV auto"] = engine("auto", args.dtype,
+                                                                                      args.quantization)
     taps = {"auto": LogitsTap(reference), **{d: LogitsTap(e) for d, e in engines.items()}}
-    agree = {d: 0 for d in kv_dtypes}
-    kl = {d: 0.0 for d in kv_dtypes}
+    agree = {d: 0 for d in engines}
+    kl = {d: 0.0 for d in engines}
     positions = self_agree = 0
     for prompt, continuation in zip(prompts, continuations):
         ref = teacher_forced(reference, taps["auto"], prompt, continuation)
@@ -88,7 +97,7 @@ def main() -> None:
             kl[d] += float((ref.exp() * (ref - lp)).sum())
     print(f"# {cpu_kind()}; model dtype {reference.engine.runner.dtype}; {len(prompts)} chat prompts, "
           f"{args.max_tokens} greedy tokens each ({positions} positions)\n")
-    print("| KV dtype | blocks per GiB | greedy agreement (teacher-forced) | mean KL (nats) | "
+    print("| KV dtype or weights | blocks per GiB | greedy agreement (teacher-forced) | mean KL (nats) | "
           "identical continuations | tokens before first difference |")
     print("|---|---|---|---|---|---|")
     gib = 1 << 30

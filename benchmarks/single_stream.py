@@ -31,15 +31,17 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default=None)
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--quantization", default=None, help="e.g. gguf: compute from the GGUF file's weights as stored")
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--runs", type=int, default=3)
     args = p.parse_args()
-    llm = LLM(args.model, dtype=args.dtype, max_model_len=args.input_len + args.output_len + 16)
+    llm = LLM(args.model, dtype=args.dtype, quantization=args.quantization, max_model_len=args.input_len + args.output_len + 16)
     prompt = make_prompts(1, args.input_len, llm.engine.loaded.hf_config.vocab_size, 0)[0]
     one_run(llm, prompt, 8)  # warm-up: kernels built, buffers touched
     runs = [one_run(llm, prompt, args.output_len) for _ in range(args.runs)]
     print(json.dumps({"engine": "pagedserve", "dtype": str(llm.engine.loaded.dtype).removeprefix("torch."),
+                      "quantization": args.quantization,
                       "cpu": cpu_kind(), "decode_tok_s": statistics.median(r[0] for r in runs),
                       "runs_decode_tok_s": [round(r[0], 1) for r in runs],
                       "prefill_s": statistics.median(r[1] for r in runs)}))

@@ -75,6 +75,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="pagedserve: most tokens computed per step (default: the engine's default)")
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=None,
                         help="pagedserve: bytes of KV cache (default: the engine's default)")
+    parser.add_argument("--quantization", default=None, choices=["gguf", "awq", "gptq"],
+                        help="pagedserve: compute from quantized weights as stored (gguf: keep a GGUF file's "
+                             "block-quantized weights; the Hugging Face side always gets them dequantized)")
     parser.add_argument("--backend", default="both", choices=["pagedserve", "hf", "both"],
                         help="what to run: pagedserve, Hugging Face transformers static batching, or both")
     parser.add_argument("--hf-batch-size", type=int, default=32, help="HF: prompts per generate() call")
@@ -132,7 +135,8 @@ class PagedserveBackend:
         from pagedserve.llm import LLM
 
         kwargs: dict[str, Any] = dict(model=args.model, dtype=args.dtype, device=args.device,
-                                      max_num_seqs=args.max_num_seqs, seed=args.seed)
+                                      max_num_seqs=args.max_num_seqs, seed=args.seed,
+                                      quantization=args.quantization)
         if args.max_num_batched_tokens is not None:
             kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
         if args.kv_cache_memory_bytes is not None:
@@ -293,7 +297,8 @@ def _print_report(result: dict, out=sys.stdout) -> None:
     print(f"\nThroughput: {w['num_prompts']} prompts x {w['input_len']} prompt tokens -> {w['output_len']} "
           f"output tokens (greedy, ignore_eos), ids in [{w['prompt_id_range'][0]}, {w['prompt_id_range'][1]})",
           file=out)
-    print(f"model {w['model']}  dtype {w['dtype']}  device {w['device']}  torch threads {env['torch_threads']}  "
+    quantized = f" (pagedserve: --quantization {w['quantization']})" if w.get("quantization") else ""
+    print(f"model {w['model']}  dtype {w['dtype']}{quantized}  device {w['device']}  torch threads {env['torch_threads']}  "
           f"repeats {w['repeats']} (medians)\nCPU {env['cpu_kind']}", file=out)
     header = f"{'backend':<22}{'load s':>8}{'elapsed s':>11}{'req/s':>9}{'out tok/s':>11}{'total tok/s':>13}  exact len"
     print(header, file=out)
@@ -381,6 +386,7 @@ def main(args: argparse.Namespace) -> dict:
             "name": "W1" if (args.num_prompts, args.input_len, args.output_len) == (256, 128, 128) else "custom",
             "model": args.model or default_model_path(),
             "dtype": str(dtype).removeprefix("torch."),
+            "quantization": args.quantization,
             "device": str(device),
             "num_prompts": args.num_prompts,
             "input_len": args.input_len,

@@ -112,3 +112,22 @@ def test_one_backend_with_repeats(tiny_llama_dir, backend):
     r = result[backend]
     assert len(r["elapsed_s_all"]) == 2 and r["all_exact_output_len"] and r["output_tokens"] == 6
     assert r["output_tok_s"] > 0
+
+
+def test_quantization_gguf_keeps_the_files_weights_quantized(tiny_llama_dir, tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from pagedserve.loader.gguf_writer import write_gguf
+
+    gguf = str(tmp_path / "tiny-Q8_0.gguf")
+    write_gguf(AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32), gguf, quant="Q8_0")
+    argv = ["--model", gguf, "--dtype", "float32", "--device", "cpu", "--num-prompts", "2", "--input-len", "5",
+            "--output-len", "3", "--kv-cache-memory-bytes", str(1 << 20), "--backend", "pagedserve"]
+    kept = throughput.PagedserveBackend(_args(*argv, "--quantization", "gguf"))
+    dense = throughput.PagedserveBackend(_args(*argv))
+    assert all(layer.mlp.down_proj.quantized is not None for layer in kept.llm.engine.runner.model.model.layers)
+    assert all(layer.mlp.down_proj.quantized is None for layer in dense.llm.engine.runner.model.model.layers)
+    result = throughput.main(_args(*argv, "--quantization", "gguf", "--no-warmup"))
+    assert result["workload"]["quantization"] == "gguf"
+    assert result["pagedserve"]["all_exact_output_len"] and result["pagedserve"]["output_tokens"] == 6
