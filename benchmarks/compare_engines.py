@@ -171,7 +171,8 @@ def server_command(engine: str, args, port: int) -> tuple[list[str], dict]:
                 "--served-model-name", "default"], vllm_env(args, engine == "vllm")
     if engine in ("llamacpp", "llamacpp-gguf"):
         slots = args.num_prompts
-        return [args.llama_server, "--model", llamacpp_gguf(args, engine), "--port", str(port), "--parallel", str(slots),
+        return [args.llama_server, "--model", llamacpp_gguf(args, engine), "--port", str(port),
+                "--parallel", str(slots),
                 "--ctx-size", str(slots * (args.input_len + args.output_len)), "--threads", str(os.cpu_count()),
                 "--threads-batch", str(os.cpu_count()), "--cont-batching", "--no-webui"], {}
     raise SystemExit(f"unknown engine {engine!r}")
@@ -288,7 +289,8 @@ def ratio_cells(bases: dict[str, float], engine: str, rate: float) -> str:
 
 def offline_table(results: dict[str, list[dict]]) -> str:
     bases = ratio_bases(results, "output_tok_s")
-    lines = [("| engine | dtype | out tok/s (median) | runs | start-up s | exact lengths | " + ratio_header(bases)).rstrip(),
+    header = "| engine | dtype | out tok/s (median) | runs | start-up s | exact lengths | " + ratio_header(bases)
+    lines = [header.rstrip(),
              "|---|---|---|---|---|---|" + "---|" * len(bases)]
     for engine, runs in results.items():
         tok = median_of(runs, "output_tok_s")

@@ -36,7 +36,8 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--runs", type=int, default=3)
     args = p.parse_args()
-    llm = LLM(args.model, dtype=args.dtype, quantization=args.quantization, max_model_len=args.input_len + args.output_len + 16)
+    llm = LLM(args.model, dtype=args.dtype, quantization=args.quantization,
+              max_model_len=args.input_len + args.output_len + 16)
     prompt = make_prompts(1, args.input_len, llm.engine.loaded.hf_config.vocab_size, 0)[0]
     one_run(llm, prompt, 8)  # warm-up: kernels built, buffers touched
     runs = [one_run(llm, prompt, args.output_len) for _ in range(args.runs)]

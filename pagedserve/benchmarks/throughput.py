@@ -298,7 +298,8 @@ def _print_report(result: dict, out=sys.stdout) -> None:
           f"output tokens (greedy, ignore_eos), ids in [{w['prompt_id_range'][0]}, {w['prompt_id_range'][1]})",
           file=out)
     quantized = f" (pagedserve: --quantization {w['quantization']})" if w.get("quantization") else ""
-    print(f"model {w['model']}  dtype {w['dtype']}{quantized}  device {w['device']}  torch threads {env['torch_threads']}  "
+    print(f"model {w['model']}  dtype {w['dtype']}{quantized}  device {w['device']}  "
+          f"torch threads {env['torch_threads']}  "
           f"repeats {w['repeats']} (medians)\nCPU {env['cpu_kind']}", file=out)
     header = f"{'backend':<22}{'load s':>8}{'elapsed s':>11}{'req/s':>9}{'out tok/s':>11}{'total tok/s':>13}  exact len"
     print(header, file=out)
