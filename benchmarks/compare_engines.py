@@ -24,7 +24,8 @@ Medians over --runs are reported with the ratios of pagedserve to each other eng
 healthy /health recorded, and
 `pagedserve bench serve` sends W1 to /v1/completions all at once and with at most 16 in flight. With
 --offline-baseline each run also measures pagedserve's offline W1, and the table gives serving all-at-once as a
-fraction of it (the cost of the serving path).
+fraction of it (the cost of the serving path). --stream-interval N gives pagedserve's and vLLM's servers the flag
+of that name (a streamed chunk every N tokens).
 
 --single-stream: one request, 128 prompt ids -> 256 tokens: pagedserve's decode tok/s
 (benchmarks/single_stream.py) beside llama.cpp's `llama-bench -p 128 -n 256` tg rate on the GGUF of the same
@@ -164,11 +165,11 @@ def pagedserve_dtype(engine: str, dtype: str) -> str:
 def server_command(engine: str, args, port: int) -> tuple[list[str], dict]:
     if engine in PAGEDSERVE:
         return [sys.executable, "-m", "pagedserve.entrypoints.cli", "serve", "--port", str(port), "--dtype",
-                args.dtype, "--disable-log-requests", *quantization_flags(engine)], {}
+                args.dtype, "--disable-log-requests", *quantization_flags(engine), *stream_interval_flags(args)], {}
     if engine in ("vllm", "vllm-default"):
         return [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", args.vllm_model,
                 "--dtype", best_dtype(args.dtype), "--port", str(port), "--max-model-len", "512", "--max-num-seqs", "256",
-                "--served-model-name", "default"], vllm_env(args, engine == "vllm")
+                "--served-model-name", "default", *stream_interval_flags(args)], vllm_env(args, engine == "vllm")
     if engine in ("llamacpp", "llamacpp-gguf"):
         slots = args.num_prompts
         return [args.llama_server, "--model", llamacpp_gguf(args, engine), "--port", str(port),
@@ -176,6 +177,11 @@ def server_command(engine: str, args, port: int) -> tuple[list[str], dict]:
                 "--ctx-size", str(slots * (args.input_len + args.output_len)), "--threads", str(os.cpu_count()),
                 "--threads-batch", str(os.cpu_count()), "--cont-batching", "--no-webui"], {}
     raise SystemExit(f"unknown engine {engine!r}")
+
+
+def stream_interval_flags(args) -> list[str]:
+    """pagedserve's and vLLM's flag of the same name (llama.cpp's server has none: it streams every token)."""
+    return ["--stream-interval", str(args.stream_interval)] if args.stream_interval else []
 
 
 def start_server(engine: str, args, log_path: str) -> tuple[subprocess.Popen, str, float]:
@@ -331,6 +337,8 @@ def main() -> None:
     p.add_argument("--single-output-len", type=int, default=256)
     p.add_argument("--scenarios", default="all_at_once,concurrency16", help="with --serving")
     p.add_argument("--max-concurrency", type=int, default=16)
+    p.add_argument("--stream-interval", type=int, default=None,
+                   help="with --serving: tokens per streamed chunk, for pagedserve's and vLLM's servers alike")
     p.add_argument("--start-timeout", type=float, default=900)
     p.add_argument("--settle-s", type=float, default=25,
                    help="pause before each server start, so that memory freed by the last run is back with the host")

@@ -94,9 +94,13 @@ class SchedulerConfig:
     scheduler_delay_factor: float = 0.0
     """While requests are running, a new prefill waits until the oldest waiting request has waited this many
     times the last step's duration, so that arrivals batch together (0 = never wait)."""
+    stream_interval: int = 1
+    """A streamed request gets a chunk every this many tokens (vLLM's name), the first and the last at once:
+    fewer, larger chunks cost the front end and the client less per token. A request's own stream_interval
+    raises it, never lowers it."""
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "stream_interval"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:

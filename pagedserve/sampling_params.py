@@ -59,6 +59,9 @@ class SamplingParams:
     structured_outputs: Optional[StructuredOutputsParams] = None
     """Constrain the output to a JSON schema, a regex, a choice or a grammar (vLLM's name); a dict is taken as
     StructuredOutputsParams' fields."""
+    stream_interval: Optional[int] = None
+    """Streamed requests: tokens per chunk, the first and last chunks sent at once; raises the engine's
+    stream_interval for this request, never lowers it (vLLM's name). None: the engine's."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -102,6 +105,8 @@ class SamplingParams:
         check(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
               "max_tokens", "must be an integer >= 1 or None")
         check(_is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens", "must be an integer >= 0")
+        check(self.stream_interval is None or (_is_int(self.stream_interval) and self.stream_interval >= 1),
+              "stream_interval", "must be an integer >= 1 or None")
         check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens", "must be <= max_tokens")
         check(self.structured_outputs is None or self.min_tokens == 0, "min_tokens",
               "cannot be combined with structured_outputs (the grammar decides when the output may end)")

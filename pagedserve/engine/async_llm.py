@@ -115,7 +115,7 @@ class AsyncLLM(CoreFacts):
             raise
         # Requests are tokenized on the event loop while the reader thread detokenizes: one tokenizer each.
         self.input_processor = front_end_input_processor(config, copy.deepcopy(self.tokenizer), self.info)
-        self.output_processor = OutputProcessor(self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer, config.scheduler_config.stream_interval)
 
     @classmethod
     def from_kwargs(cls, max_num_queued_requests: Optional[int] = None, restart_on_failure: bool = False,

@@ -33,7 +33,7 @@ class LLMEngine:
         self.input_processor = InputProcessor(self.tokenizer, info.vocab_size, info.max_model_len,
                                               info.eos_token_ids, config.scheduler_config.scheduling_policy,
                                               config.lora_config.enable_lora)
-        self.output_processor = OutputProcessor(self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer, config.scheduler_config.stream_interval)
         self._ids = itertools.count()
         self._errors: list[ValueError] = []  # for requests the core rejected; raised by the next step()
 

@@ -1,7 +1,8 @@
 """The front end's per-request state: tokens to text, stop strings, n children into one RequestOutput.
 
 One loop over the step's core outputs, nowhere else. Detokenization happens here, off the core: a request
-without stop strings that is not streamed is decoded once, when it finishes.
+without stop strings that is not streamed is decoded once, when it finishes. A streamed request gets an output
+every stream_interval tokens (each child's first token and its finish at once).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ class RequestState:
     children: dict[str, _Child]
     metrics: RequestMetrics
     num_cached_tokens: int = 0
+    stream_interval: int = 1
 
     @property
     def finished(self) -> bool:
@@ -45,8 +47,9 @@ class RequestState:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer) -> None:
+    def __init__(self, tokenizer, stream_interval: int = 1) -> None:
         self.tokenizer = tokenizer
+        self.stream_interval = stream_interval
         self.requests: dict[str, RequestState] = {}
         self.child_to_parent: dict[str, str] = {}
 
@@ -62,8 +65,9 @@ class OutputProcessor:
                 child.logprobs, child.cumulative_logprob = [], 0.0
             children[child_id] = child
             self.child_to_parent[child_id] = request_id
+        interval = max(params.stream_interval or 1, self.stream_interval)
         self.requests[request_id] = RequestState(request_id, prompt, prompt_token_ids, params, stream, children,
-                                                 RequestMetrics(arrival_time))
+                                                 RequestMetrics(arrival_time), stream_interval=interval)
 
     def child_ids(self, request_id: str) -> list[str]:
         state = self.requests.get(request_id)
@@ -113,7 +117,7 @@ class OutputProcessor:
             if state.finished:
                 state.metrics.finished_time = now
                 self.abort_request(state.request_id)
-            if state.stream or state.finished:
+            if state.finished or (state.stream and _stream_due(state)):
                 results.append(self._make_output(state))
         return results, stopped
 
@@ -150,3 +154,13 @@ class OutputProcessor:
         if child.detokenizer is not None:
             return child.detokenizer.output_text
         return decode_all(self.tokenizer, child.token_ids, state.params.skip_special_tokens, state.prompt_token_ids)
+
+
+def _stream_due(state: RequestState) -> bool:
+    """Whether a streamed request's next chunk is due: a child has its first token, stream_interval tokens not
+    sent yet, or has finished."""
+    if state.stream_interval == 1:
+        return True
+    return any(child.finish_reason is not None or child.sent_tokens == 0
+               or len(child.token_ids) - child.sent_tokens >= state.stream_interval
+               for child in state.children.values())

@@ -12,7 +12,7 @@ from pagedserve.loader.default_model import default_model_path  # noqa: E402
 
 
 def _args(**overrides) -> argparse.Namespace:
-    args = dict(num_prompts=8, input_len=4, output_len=2, dtype="auto", llamacpp_model=None,
+    args = dict(num_prompts=8, input_len=4, output_len=2, dtype="auto", llamacpp_model=None, stream_interval=None,
                 llama_server="/opt/llama-server", single_output_len=4, vllm_python="python", vllm_model="m")
     return argparse.Namespace(**{**args, **overrides})
 
@@ -51,3 +51,10 @@ def test_single_stream_table_ratios():
                "llamacpp-gguf": [{"decode_tok_s": 100.0, "dtype": "Q4_1"}]}
     header, _, _, llamacpp = compare_engines.single_stream_table(results).splitlines()
     assert header.endswith("| pagedserve-gguf / engine |") and llamacpp.endswith("| **2.00x** |")
+
+
+def test_stream_interval_goes_to_pagedserve_and_vllm_alike():
+    for engine in ("pagedserve", "pagedserve-gguf", "vllm"):
+        served, _ = compare_engines.server_command(engine, _args(stream_interval=4), 8000)
+        assert served[served.index("--stream-interval") + 1] == "4"
+        assert "--stream-interval" not in compare_engines.server_command(engine, _args(), 8000)[0]

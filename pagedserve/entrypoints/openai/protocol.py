@@ -80,6 +80,9 @@ class _SamplingFields(_Body):
     """Lower runs first; omitted: the tenant's default priority (needs --scheduling-policy priority or fair)."""
     response_format: Optional[ResponseFormat] = None
     structured_outputs: Optional[StructuredOutputsField] = None
+    stream_interval: Optional[int] = Field(default=None, ge=1, le=INT64_MAX)
+    """vLLM's: with stream, tokens per chunk (the first and last chunks at once); raises the server's
+    --stream-interval for this request, never lowers it."""
     return_token_ids: bool = False
     """vLLM's: each choice also carries its generated `token_ids` (in a stream: each chunk the ids since the
     last chunk of that choice), and the response its `prompt_token_ids`."""

@@ -208,7 +208,7 @@ class ServingBase:
                 presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
                 logit_bias=body.logit_bias, min_tokens=body.min_tokens, ignore_eos=body.ignore_eos,
                 skip_special_tokens=body.skip_special_tokens, logprobs=logprobs,
-                include_stop_str_in_output=body.include_stop_str_in_output,
+                include_stop_str_in_output=body.include_stop_str_in_output, stream_interval=body.stream_interval,
                 structured_outputs=structured_outputs, **extras)
         except ValueError as e:
             raise from_value_error(e, rename) from None

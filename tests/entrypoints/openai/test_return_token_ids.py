@@ -58,3 +58,24 @@ def test_chat_token_ids_whole_and_streamed_agree_with_usage(server):
         ids = [t for e in events for c in e["choices"] if c["index"] == index for t in c["token_ids"]]
         assert ids == whole["choices"][index]["token_ids"]
     assert events[-1]["usage"]["completion_tokens"] == 24
+
+
+def test_stream_interval_sends_the_first_token_then_chunks_of_that_many(server):
+    whole = httpx.post(server.url + "/v1/completions", json={"prompt": "Hello, world", **GREEDY}, timeout=60).json()
+    r = httpx.post(server.url + "/v1/completions", timeout=60,
+                   json={"prompt": "Hello, world", "stream": True, "stream_interval": 5,
+                         "stream_options": {"include_usage": True}, **GREEDY})
+    events = _events(r)
+    chunks = [e["choices"][0]["token_ids"] for e in events if e["choices"]]
+    assert [t for c in chunks for t in c] == whole["choices"][0]["token_ids"]
+    # Outputs go out after tokens 1, 6, 11 and 12; a handler slower than the tiny model may take two at once.
+    ends = [sum(len(c) for c in chunks[:i + 1]) for i in range(len(chunks))]
+    assert set(ends) <= {1, 6, 11, 12} and ends[-1] == 12
+    text = "".join(e["choices"][0]["text"] for e in events if e["choices"])
+    assert text == whole["choices"][0]["text"] and events[-1]["usage"]["completion_tokens"] == 12
+
+
+def test_a_stream_interval_below_one_is_400_naming_it(server):
+    r = httpx.post(server.url + "/v1/completions", timeout=60,
+                   json={"prompt": "Hello", "stream": True, "stream_interval": 0, "max_tokens": 2})
+    assert r.status_code == 400 and "stream_interval" in r.json()["error"]["message"]
