@@ -96,7 +96,7 @@ class SchedulerConfig:
     times the last step's duration, so that arrivals batch together (0 = never wait)."""
     stream_interval: int = 1
     """A streamed request gets a chunk every this many tokens (vLLM's name), the first and the last at once:
-    fewer, larger chunks cost the front end and the client less per token. A request's own stream_interval
+    fewer, larger chunks cost the front end and the client less CPU per token. A request's own stream_interval
     raises it, never lowers it."""
 
     def __post_init__(self) -> None:
