@@ -81,6 +81,8 @@ def best_dtype(requested: str) -> str:
 
 PAGEDSERVE = ("pagedserve", "pagedserve-gguf")
 """pagedserve at float weights, and computing from the default model's GGUF weights as stored."""
+LLAMACPP = ("llamacpp", "llamacpp-gguf")
+"""llama.cpp on the GGUF of --dtype (or --llamacpp-model), and on the default model's own file."""
 
 
 def quantization_flags(engine: str) -> list[str]:
@@ -125,7 +127,7 @@ def offline_command(engine: str, args, out_json: str) -> tuple[list[str], dict]:
         cmd = [args.vllm_python, str(HERE / "engines" / "vllm_w1.py"), "--model", args.vllm_model,
                "--dtype", best_dtype(args.dtype), "--prompts-json", prompts_json, "--output-len", str(args.output_len)]
         return cmd, vllm_env(args, tuned=engine == "vllm")
-    if engine in ("llamacpp", "llamacpp-gguf"):
+    if engine in LLAMACPP:
         cmd = [sys.executable, str(HERE / "engines" / "llamacpp_w1.py"), "--server-bin", args.llama_server,
                "--model", llamacpp_gguf(args, engine), "--output-json", out_json, *w1]
         return cmd, {}
@@ -148,7 +150,7 @@ def run_offline(engine: str, args) -> dict:
                     "exact": r["all_exact_output_len"], "dtype": pagedserve_dtype(engine, result["workload"]["dtype"])}
         line = [l for l in proc.stdout.splitlines() if l.startswith("{")][-1]
         r = json.loads(line)
-        dtype = Path(llamacpp_gguf(args, engine)).stem if engine.startswith("llamacpp") else best_dtype(args.dtype)
+        dtype = Path(llamacpp_gguf(args, engine)).stem if engine in LLAMACPP else best_dtype(args.dtype)
         return {"output_tok_s": r["output_tok_per_s"], "elapsed_s": r["elapsed_s"],
                 "load_s": r.get("load_s", r.get("startup_s")), "exact": r["exact"], "dtype": dtype}
 
@@ -170,7 +172,7 @@ def server_command(engine: str, args, port: int) -> tuple[list[str], dict]:
         return [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", args.vllm_model,
                 "--dtype", best_dtype(args.dtype), "--port", str(port), "--max-model-len", "512", "--max-num-seqs", "256",
                 "--served-model-name", "default", *stream_interval_flags(args)], vllm_env(args, engine == "vllm")
-    if engine in ("llamacpp", "llamacpp-gguf"):
+    if engine in LLAMACPP:
         slots = args.num_prompts
         return [args.llama_server, "--model", llamacpp_gguf(args, engine), "--port", str(port),
                 "--parallel", str(slots),
@@ -243,7 +245,7 @@ def run_single_stream(engine: str, args) -> dict:
         cmd = [sys.executable, str(HERE / "single_stream.py"), "--dtype", args.dtype, "--runs", "1",
                "--input-len", str(args.input_len), "--output-len", str(args.single_output_len),
                *quantization_flags(engine)]
-    elif engine in ("llamacpp", "llamacpp-gguf"):
+    elif engine in LLAMACPP:
         cmd = [str(Path(args.llama_server).with_name("llama-bench")), "-m", llamacpp_gguf(args, engine), "-p",
                str(args.input_len), "-n", str(args.single_output_len), "-t", str(os.cpu_count()), "-r", "1",
                "-o", "json"]

@@ -42,6 +42,7 @@ from typing import Any, Optional
 import torch
 
 from pagedserve.benchmarks.cpu_kind import cpu_kind
+from pagedserve.config import QUANTIZATION_METHODS
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +76,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="pagedserve: most tokens computed per step (default: the engine's default)")
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=None,
                         help="pagedserve: bytes of KV cache (default: the engine's default)")
-    parser.add_argument("--quantization", default=None, choices=["gguf", "awq", "gptq"],
+    parser.add_argument("--quantization", default=None, choices=[m for m in QUANTIZATION_METHODS if m],
                         help="pagedserve: compute from quantized weights as stored (gguf: keep a GGUF file's "
                              "block-quantized weights; the Hugging Face side always gets them dequantized)")
     parser.add_argument("--backend", default="both", choices=["pagedserve", "hf", "both"],

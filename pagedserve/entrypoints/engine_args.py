@@ -6,11 +6,12 @@ import argparse
 import dataclasses
 import typing
 
-from pagedserve.config import DTYPE_CHOICES, ENGINE_CONFIGS, KV_CACHE_DTYPES, SCHEDULING_POLICIES, config_field_help
+from pagedserve.config import (DTYPE_CHOICES, ENGINE_CONFIGS, KV_CACHE_DTYPES, QUANTIZATION_METHODS, SCHEDULING_POLICIES,
+                               config_field_help)
 
 _CONFIGS = ENGINE_CONFIGS
 _CHOICES = {"dtype": DTYPE_CHOICES, "scheduling_policy": SCHEDULING_POLICIES, "kv_cache_dtype": KV_CACHE_DTYPES,
-            "quantization": ("gguf", "awq", "gptq")}
+            "quantization": tuple(m for m in QUANTIZATION_METHODS if m)}
 _SKIP = {("SchedulerConfig", "max_model_len")}  # set through ModelConfig's flag
 
 
