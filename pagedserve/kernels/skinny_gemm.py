@@ -9,18 +9,26 @@ order and rounds once to bf16, so a row's result does not depend on how many row
 
 `PackedWeight.of(weight)` packs a [N, K] bf16 weight (None where the kernel cannot run: generic level, no
 compiler, other dtypes or shapes); `linear(x, packed, bias)` computes x @ weight.T + bias for x [M, K].
-Layers use it for M <= MAX_ROWS and torch above, where the BLAS is at full speed.
+Layers use it for M <= MAX_ROWS and torch above, where the BLAS is at full speed; at the avx512_bf16 level it
+takes every batch (takes_every_batch), unless the CPU has AMX-BF16 and torch's oneDNN, computing on AMX tiles,
+measures faster on large batches at load (LARGE_BATCH_ENV).
 """
 
 from __future__ import annotations
 
 import ctypes
+import logging
+import os
+import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
+from pagedserve.kernels import build
 from pagedserve.kernels.build import load_library
+
+logger = logging.getLogger(__name__)
 
 MAX_ROWS = 32
 """Where the packed kernel does not take every batch (takes_every_batch()), layers use it up to this many rows and
@@ -86,11 +94,66 @@ class PackedWeight:
         return PackedWeight(data, n, k)
 
 
+LARGE_BATCH_ENV = "PAGEDSERVE_BF16_LARGE_BATCH"
+"""Who computes bf16 matmuls of more than MAX_ROWS rows at the avx512_bf16 level: `packed` (this kernel, every
+batch), `torch` (torch's BLAS: oneDNN, with AMX tiles where the CPU has them) or `auto` (the default): packed,
+unless the CPU has AMX-BF16 and torch measures at least TORCH_MARGIN times faster on a large batch at load."""
+LARGE_BATCH_CHOICES = ("auto", "packed", "torch")
+TORCH_MARGIN = 1.25
+"""How much faster torch must measure before `auto` gives it the large batches: a margin well above this VM's
+noise, so that the choice (and with it which rows are batch-invariant) does not flip between runs."""
+
+
 def takes_every_batch() -> bool:
-    """Whether the packed kernel in force is as fast as torch at any number of rows (the AVX-512 BF16 layout), so
-    that a layer can hold its weight only packed."""
+    """Whether the packed kernel in force takes every batch (the AVX-512 BF16 layout, ahead of torch at any number
+    of rows without AMX), so that a layer can hold its weight only packed. See LARGE_BATCH_ENV."""
     library = _lib()
-    return library is not None and library._layout == 1
+    if library is None or library._layout != 1:
+        return False
+    if getattr(library, "_every_batch", None) is None:  # decided once per library (build.reset() forgets it)
+        library._every_batch = large_batches_packed(os.environ.get(LARGE_BATCH_ENV) or "auto",
+                                                    build.cpu_flags(), measure_large_batch)
+    return library._every_batch
+
+
+def large_batches_packed(choice: str, cpu_flags: list[str],
+                         measure: Callable[[], tuple[float, float]]) -> bool:
+    """Whether the packed kernel keeps batches above MAX_ROWS for `choice` (a LARGE_BATCH_ENV value) on a CPU with
+    `cpu_flags`; `measure` -> (packed seconds, torch seconds) is called only for `auto` on an AMX-BF16 CPU."""
+    if choice not in LARGE_BATCH_CHOICES:
+        raise ValueError(f"{LARGE_BATCH_ENV}={choice!r} is not one of {', '.join(LARGE_BATCH_CHOICES)}")
+    if choice != "auto":
+        return choice == "packed"
+    if "amx_bf16" not in cpu_flags:
+        return True
+    packed_s, torch_s = measure()
+    packed = torch_s * TORCH_MARGIN > packed_s
+    logger.info("bf16 matmul of %d x %d x %d on this AMX-BF16 CPU: packed kernel %.2f ms, torch (oneDNN) %.2f ms: "
+                "%s computes batches of more than %d rows", *_MEASURED_SHAPE, packed_s * 1e3, torch_s * 1e3,
+                "the packed kernel" if packed else "torch", MAX_ROWS)
+    return packed
+
+
+_MEASURED_SHAPE = (256, 1536, 576)  # rows, out, in: a decode step of 256 sequences through an MLP-sized linear
+
+
+def measure_large_batch(repeats: int = 5) -> tuple[float, float]:
+    """Best-of-`repeats` seconds of one [rows, in] x [in, out] bf16 matmul (_MEASURED_SHAPE) through the packed
+    kernel and through torch, alternating, after one warm-up call each (oneDNN builds its kernel on the first)."""
+    rows, out_features, in_features = _MEASURED_SHAPE
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, in_features, generator=generator).to(torch.bfloat16)
+    weight = torch.randn(out_features, in_features, generator=generator).to(torch.bfloat16)
+    packed = PackedWeight.of(weight)
+    runs = {"packed": lambda: linear(x, packed), "torch": lambda: torch.nn.functional.linear(x, weight)}
+    best = {name: float("inf") for name in runs}
+    for repeat in range(repeats + 1):
+        for name, run in runs.items():
+            start = time.perf_counter()
+            run()
+            if repeat:  # the first round warms up
+                best[name] = min(best[name], time.perf_counter() - start)
+    return best["packed"], best["torch"]
 
 
 def _library_for(packed: PackedWeight) -> ctypes.CDLL:

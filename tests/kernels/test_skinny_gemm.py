@@ -167,3 +167,54 @@ def test_gate_up_layer_gives_silu_and_mul_of_its_output_bit_for_bit(isa, rows):
     assert torch.equal(layer.forward_swiglu(x), silu_and_mul(layer(x)))  # plain weight: torch, then SwiGLU
     layer.pack_for_small_batches()  # where the kernel builds: packed (only, on avx512_bf16), maybe fused
     assert torch.equal(layer.forward_swiglu(x), silu_and_mul(layer(x)))
+
+
+def _never_measured():
+    raise AssertionError("measured where no measurement was due")
+
+
+def test_large_batch_choice_that_is_not_one_of_the_choices_is_an_error_naming_the_variable():
+    with pytest.raises(ValueError, match="PAGEDSERVE_BF16_LARGE_BATCH='fast' is not one of auto, packed, torch"):
+        skinny_gemm.large_batches_packed("fast", ["avx512_bf16"], _never_measured)
+
+
+def test_auto_keeps_every_batch_on_the_packed_kernel_without_amx_and_measures_nothing():
+    assert skinny_gemm.large_batches_packed("auto", ["avx512f", "avx512_bf16"], _never_measured)
+
+
+@pytest.mark.parametrize("choice, flags, packed", [("packed", ["amx_bf16"], True), ("torch", ["avx512_bf16"], False)])
+def test_a_forced_choice_holds_on_any_cpu_without_measuring(choice, flags, packed):
+    assert skinny_gemm.large_batches_packed(choice, flags, _never_measured) is packed
+
+
+@pytest.mark.parametrize("packed_s, torch_s, packed", [(2.0e-3, 1.0e-3, False), (1.2e-3, 1.0e-3, True),
+                                                       (0.9e-3, 1.0e-3, True)])
+def test_auto_on_amx_gives_large_batches_to_torch_only_when_it_measures_faster_by_the_margin(packed_s, torch_s,
+                                                                                             packed, caplog):
+    caplog.set_level("INFO", logger="pagedserve.kernels.skinny_gemm")
+    assert skinny_gemm.large_batches_packed("auto", ["amx_bf16", "avx512_bf16"],
+                                            lambda: (packed_s, torch_s)) is packed
+    assert f"packed kernel {packed_s * 1e3:.2f} ms, torch (oneDNN) {torch_s * 1e3:.2f} ms" in caplog.text
+
+
+def test_the_load_time_measurement_times_both_paths_on_this_cpu(isa):
+    if isa != "avx512_bf16":
+        pytest.skip(f"{isa}: the measurement is only made at the avx512_bf16 level (AMX CPUs take it)")
+    packed_or_skip(torch.zeros(16, 16).bfloat16(), isa)
+    packed_s, torch_s = skinny_gemm.measure_large_batch(repeats=1)
+    assert 0 < packed_s < 1 and 0 < torch_s < 1
+
+
+def test_large_batches_forced_to_torch_keep_the_plain_weight_and_the_packed_copy_for_small_ones(isa, monkeypatch):
+    if isa != "avx512_bf16":
+        pytest.skip(f"{isa}: only the avx512_bf16 level's packed kernel can take every batch")
+    monkeypatch.setenv(skinny_gemm.LARGE_BATCH_ENV, "torch")
+    layer = Linear(64, 48, bias=False).bfloat16()
+    weight = layer.weight.detach().clone()
+    if not layer.pack_for_small_batches():
+        packed_or_skip(weight, isa)
+    assert not skinny_gemm.takes_every_batch() and not layer.held_packed_only
+    large = torch.randn(skinny_gemm.MAX_ROWS + 1, 64).bfloat16()
+    assert torch.equal(layer(large), torch.nn.functional.linear(large, weight))
+    small = torch.randn(4, 64).bfloat16()
+    assert torch.equal(layer(small), skinny_gemm.linear(small, layer.packed))
