@@ -16,7 +16,9 @@ from pagedserve.config import EngineConfig
 from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.request import Request, RequestStatus
 from pagedserve.core.scheduler import Scheduler
+from pagedserve.core.scheduler_output import SchedulerOutput
 from pagedserve.engine.core_output import CoreInfo, EngineCoreOutput, QueueFullError
+from pagedserve.engine.step_log import StepLog
 from pagedserve.executor.model_runner import ModelRunner
 from pagedserve.loader.model_loader import LoadedModel, load_model
 from pagedserve.lora.manager import LoRAManager
@@ -60,6 +62,7 @@ class EngineCore:
         self._structured_output: Optional[StructuredOutputManager] = None  # made on the first constrained request
         self._rejected: list[tuple[str, ValueError]] = []
         self._compiling: list[Request] = []  # admitted requests whose grammar is not compiled yet
+        self._step_log = StepLog.from_env()
         self.info = CoreInfo(max_model_len, self.loaded.hf_config.vocab_size, self.loaded.eos_token_ids,
                              self.runner.num_blocks, block_size, self.runner.bytes_per_block,
                              config.cache_config.kv_cache_dtype)
@@ -213,7 +216,16 @@ class EngineCore:
 
     def step(self) -> list[EngineCoreOutput]:
         """Schedule, run the batch, and return one output per request that got a token."""
+        start = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
+        if self._step_log is None:
+            return self._run(scheduler_output)
+        prefill_tokens = StepLog.prefill_tokens(scheduler_output)
+        outputs = self._run(scheduler_output)
+        self._step_log.record(start, time.perf_counter(), scheduler_output, prefill_tokens)
+        return outputs
+
+    def _run(self, scheduler_output: SchedulerOutput) -> list[EngineCoreOutput]:
         grammars = self._structured_output
         if grammars is not None:
             scheduler_output.grammar_bitmask = grammars.bitmask(
@@ -260,9 +272,11 @@ class EngineCore:
             self._structured_output.wait(pending, timeout=0.05)
 
     def shutdown(self) -> None:
-        """Stop the grammar compile thread (queued compilations are dropped)."""
+        """Stop the grammar compile thread (queued compilations are dropped); close the step log."""
         if self._structured_output is not None:
             self._structured_output.shutdown()
+        if self._step_log is not None:
+            self._step_log.close()
 
     def stats(self) -> EngineStats:
         scheduler, kv = self.scheduler, self.kv_cache_manager
