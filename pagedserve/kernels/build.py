@@ -12,7 +12,8 @@ built or installed the package:
 Each level needs the flags of the levels below it too (the flags in parentheses are what the x86-64-v4/v3
 targets also let gcc emit). The avx2 and avx512 levels also take -mavxvnni where the CPU has `avx_vnni`, and
 avx512 takes -mavx512vnni where it has `avx512_vnni` (Cascade Lake, Ice Lake: VNNI without AVX512-BF16), for
-quant_gemm's int8 dot products. Intel CPUs with AMX-BF16 also have AVX512-BF16 and take the avx512_bf16 level;
+quant_gemm's int8 dot products. Intel CPUs with AMX-BF16 also have AVX512-BF16 and take the avx512_bf16 level
+(there skinny_gemm hands batches of more than 32 rows to torch's oneDNN, on AMX tiles, if it times faster at load);
 AMD EPYC before Zen 4 takes avx2. PAGEDSERVE_CPU_ISA=<level> forces a level at or below the CPU's (to test
 or measure a lower path on a bigger CPU); an unknown level, or one this CPU cannot run, is a ValueError.
 `cpu_isa()` names the level in force.
