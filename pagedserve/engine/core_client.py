@@ -104,7 +104,7 @@ class EngineCoreClient:
                         (future.set_exception if isinstance(message[2], BaseException) else future.set_result)(
                             message[2])
         except (EOFError, OSError):
-            self.process.join(1)
+            exits_within(self.process, 1)  # not join(): shutdown() may be reaping it at the same moment
             reason = f"the engine-core process exited (exit code {self.process.exitcode})"
         except BaseException as e:  # noqa: BLE001 - a front-end bug must still fail the waiters
             logger.exception("engine-core reader failed")
@@ -150,4 +150,3 @@ def exits_within(process, timeout: Optional[float], poll_s: float = 0.01) -> boo
             return False
         time.sleep(poll_s)
     return True
-

@@ -20,8 +20,10 @@ HEADER = "start\tend\ttokens\trequests\tprefill_tokens\n"
 
 class StepLog:
     def __init__(self, path: str) -> None:
-        self.path = path
-        self._file = open(path, "w", buffering=1)  # noqa: SIM115 - open for the engine's life, closed in close()
+        try:
+            self._file = open(path, "w", buffering=1)  # noqa: SIM115 - open for the engine's life, closed in close()
+        except OSError as e:
+            raise ValueError(f"{STEP_LOG_ENV}: cannot write the step log {path}: {e.strerror}") from e
         self._file.write(HEADER)
 
     @classmethod

@@ -103,6 +103,8 @@ TORCH_MARGIN = 1.25
 """How much faster torch must measure before `auto` gives it the large batches: a margin well above this VM's
 noise, so that the choice (and with it which rows are batch-invariant) does not flip between runs."""
 
+_MEASURED_SHAPE = (256, 1536, 576)  # rows, out, in: a decode step of 256 sequences through an MLP-sized linear
+
 
 def takes_every_batch() -> bool:
     """Whether the packed kernel in force takes every batch (the AVX-512 BF16 layout, ahead of torch at any number
@@ -132,9 +134,6 @@ def large_batches_packed(choice: str, cpu_flags: list[str],
                 "%s computes batches of more than %d rows", *_MEASURED_SHAPE, packed_s * 1e3, torch_s * 1e3,
                 "the packed kernel" if packed else "torch", MAX_ROWS)
     return packed
-
-
-_MEASURED_SHAPE = (256, 1536, 576)  # rows, out, in: a decode step of 256 sequences through an MLP-sized linear
 
 
 def measure_large_batch(repeats: int = 5) -> tuple[float, float]:

@@ -2,6 +2,8 @@
 
 import glob
 
+import pytest
+
 from pagedserve import LLM, SamplingParams
 from pagedserve.engine.step_log import HEADER, STEP_LOG_ENV
 
@@ -29,3 +31,9 @@ def test_no_log_without_the_variable(tiny_llama_dir, tmp_path, monkeypatch):
     llm = LLM(tiny_llama_dir, dtype="float32", kv_cache_memory_bytes=1 << 22)
     llm.generate([{"prompt_token_ids": [3, 4, 5]}], SamplingParams(max_tokens=2), use_tqdm=False)
     assert llm.engine.core._step_log is None and not list(tmp_path.iterdir())
+
+
+def test_a_log_path_that_cannot_be_written_is_an_error_naming_the_variable(tiny_llama_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv(STEP_LOG_ENV, str(tmp_path / "no such dir" / "steps"))
+    with pytest.raises(ValueError, match="PAGEDSERVE_STEP_LOG: cannot write the step log .*no such dir"):
+        LLM(tiny_llama_dir, dtype="float32", kv_cache_memory_bytes=1 << 22)
